@@ -1,0 +1,1 @@
+"""tierstore: a tiered KV-cache store for hybrid LLMs."""

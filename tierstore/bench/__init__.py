@@ -1,0 +1,29 @@
+"""Benchmarks behind ``tierstore bench NAME``.
+
+Each benchmark is a module in this package exposing::
+
+    def add_arguments(parser: argparse.ArgumentParser) -> None
+    def run(args: argparse.Namespace) -> dict   # the figures, JSON-serialisable
+    def render(result: dict) -> str              # a human-readable table of the same figures
+
+``tierstore bench NAME`` prints ``render(result)``; with ``--json`` it prints the JSON object as
+its last line as well. Speed-ups are always ratios against a baseline measured in the same run.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from types import ModuleType
+
+
+def available() -> dict[str, ModuleType]:
+    """Every benchmark module in this package, keyed by its name."""
+    found: dict[str, ModuleType] = {}
+    for info in pkgutil.iter_modules(__path__):
+        if info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        if hasattr(module, "run") and hasattr(module, "add_arguments"):
+            found[info.name] = module
+    return found

@@ -1,0 +1,51 @@
+"""The ``tierstore`` command line: ``demo``, ``bench NAME``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from tierstore import bench
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tierstore", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    sub.add_parser("demo", help="run the quick-start demonstration")
+
+    bench_parser = sub.add_parser("bench", help="run a benchmark")
+    bench_sub = bench_parser.add_subparsers(dest="bench", required=True)
+    for name, module in sorted(bench.available().items()):
+        doc = (module.__doc__ or name).strip().splitlines()[0]
+        p = bench_sub.add_parser(name, help=doc, description=module.__doc__)
+        p.add_argument("--json", action="store_true", help="print the figures as JSON, last line")
+        module.add_arguments(p)
+    return parser
+
+
+def run_bench(name: str, args: argparse.Namespace) -> dict:
+    """Run one benchmark by name and print its table (and JSON with ``--json``)."""
+    module = bench.available()[name]
+    result = module.run(args)
+    print(module.render(result))
+    if getattr(args, "json", False):
+        print(json.dumps(result, sort_keys=True))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    if args.command == "bench":
+        run_bench(args.bench, args)
+        return 0
+    if args.command == "demo":
+        from tierstore.demo import main as demo_main
+
+        return demo_main()
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
