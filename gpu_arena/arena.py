@@ -1,0 +1,471 @@
+"""The unified arena: one byte buffer shared by up to three pools of different block sizes."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+import kernels
+from gpu_arena.fence import Fence, FenceMode
+from gpu_arena.pool import Pool
+from gpu_arena.spec import ALIGN, ANCHORS, ArenaError, IntegrityError, PoolSpec
+from gpu_arena.stats import ArenaStats, PoolStats
+
+log = logging.getLogger(__name__)
+
+IdsLike = torch.Tensor | Sequence[int]
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Band targets after a full compaction that makes room for a joint request."""
+
+    low_slots: int  # low band becomes [0, low_slots)
+    high_slots: int  # high band becomes [max_slots - high_slots, max_slots)
+    float_band: tuple[int, int] | None  # float band moves into [start, end) slots
+
+
+class Arena:
+    """One contiguous ``uint8`` buffer holding the blocks of up to three pools.
+
+    The ``low`` pool grows up from byte 0, the ``high`` pool grows down from the top, the
+    ``float`` pool sits between them and slides; free bytes collect in the gaps and belong to
+    whichever pool needs them. Callers hold virtual ids; :meth:`resolve` maps them to slots.
+    Holes left by :meth:`free` stay until an allocation needs the space, then blocks are moved
+    (one batched copy per pool) to close them. Fenced blocks never move and fenced free slots are
+    not reused until the fence retires. Not thread-safe, except :meth:`Fence.complete`.
+    """
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        pools: Sequence[PoolSpec],
+        device: str | torch.device = "cpu",
+        *,
+        pin_memory: bool = False,
+    ) -> None:
+        if capacity_bytes <= 0 or capacity_bytes % ALIGN:
+            raise ArenaError(
+                f"capacity_bytes must be a positive multiple of {ALIGN}, got {capacity_bytes}"
+            )
+        names = [p.name for p in pools]
+        if not pools or len(set(names)) != len(names):
+            raise ArenaError(f"need at least one pool and unique names, got {names}")
+        anchors = [p.anchor for p in pools]
+        if len(set(anchors)) != len(anchors):
+            pairs = dict(zip(names, anchors, strict=True))
+            raise ArenaError(f"at most one pool per anchor, got {pairs}")
+        for p in pools:
+            if p.unit_bytes > capacity_bytes:
+                raise ArenaError(
+                    f"pool {p.name!r}: unit of {p.unit_bytes} B exceeds capacity {capacity_bytes} B"
+                )
+        self.capacity_bytes = capacity_bytes
+        self.device = torch.device(device)
+        self._buf = torch.zeros(capacity_bytes, dtype=torch.uint8, device=self.device,
+                                pin_memory=pin_memory and self.device.type == "cpu")
+        self._pools: dict[str, Pool] = {}
+        for spec in sorted(pools, key=lambda s: ANCHORS.index(s.anchor)):
+            origin = capacity_bytes % spec.unit_bytes if spec.anchor == "high" else 0
+            max_slots = (capacity_bytes - origin) // spec.unit_bytes
+            lo = max_slots if spec.anchor == "high" else 0
+            self._pools[spec.name] = Pool(spec, origin, max_slots, lo)
+        by_anchor = {p.anchor: p for p in self._pools.values()}
+        self._low, self._float, self._high = (by_anchor.get(a) for a in ("low", "float", "high"))
+        self._fences: list[Fence] = []
+        self._views: dict[str, torch.Tensor] = {}
+        self._device_tables: dict[str, tuple[int, torch.Tensor]] = {}
+        self.compactions = 0
+
+    # ================================================================ public API
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The raw byte buffer (for copies between tiers; bookkeeping stays with the arena)."""
+        return self._buf
+
+    def pool_names(self) -> list[str]:
+        """Pool names in band order (low, float, high)."""
+        return list(self._pools)
+
+    def spec(self, pool: str) -> PoolSpec:
+        """The spec a pool was created with."""
+        return self._pool(pool).spec
+
+    def num_live(self, pool: str) -> int:
+        """Live blocks in a pool."""
+        return self._pool(pool).num_live
+
+    def alloc(self, pool: str, n: int) -> torch.Tensor | None:
+        """Allocate ``n`` blocks; return their virtual ids, or ``None`` when even a full
+        compaction cannot make room (nothing changes then). May move other blocks."""
+        p = self._pool(pool)
+        n = _count(pool, n)
+        self._retire()
+        if n == 0:
+            return torch.empty(0, dtype=torch.long)
+        slots = self._direct(p, n)
+        if slots is None:
+            plan = self._plan({p.name: n})
+            if plan is None:
+                return None
+            self._execute(plan)
+            slots = self._direct(p, n)
+            assert slots is not None, f"pool {pool}: plan said {n} fit after compaction"
+        return p.take_ids(slots)
+
+    def can_alloc(self, request: Mapping[str, int]) -> bool:
+        """Whether allocating all of ``request`` ({pool: n}) would succeed, counting the gap and
+        every byte compaction can reclaim in any pool. Changes nothing."""
+        counts = {self._pool(name).name: _count(name, n) for name, n in request.items()}
+        self._retire()
+        return self._plan(counts) is not None
+
+    def free(self, pool: str, ids: IdsLike) -> None:
+        """Free live ids (capacity returns at once; fenced slots are reused only after their
+        fences retire). A foreign or already-free id raises ArenaError and frees nothing."""
+        p = self._pool(pool)
+        ids = self._ids(p, ids)
+        if ids.numel() == 0:
+            return
+        slots = p.release_ids(ids)
+        if int(slots.max()) == p.hi - 1 or int(slots.min()) == p.lo:
+            p.trim()
+
+    def resolve(
+        self, pool: str, ids: IdsLike, *, page_size: int = 1, sink: int | None = None
+    ) -> torch.Tensor:
+        """Physical slots of ``ids`` (per token ``slot * page_size + t`` when ``page_size > 1``),
+        on the arena's device. Without ``sink`` every id must be live (else ArenaError); with
+        ``sink`` invalid ids map to it instead. Changes nothing."""
+        p = self._pool(pool)
+        if page_size < 1:
+            raise ArenaError(f"page_size must be >= 1, got {page_size}")
+        ids = self._ids(p, ids, check=sink is None)
+        table = self._device_table(p)
+        return kernels.remap(table, ids.to(self.device), sink=-1 if sink is None else sink,
+                             page_size=page_size)
+
+    def read(self, pool: str, ids: IdsLike) -> torch.Tensor:
+        """A copy of the blocks' bytes, ``[n, unit_bytes]`` uint8 on the arena's device."""
+        p = self._pool(pool)
+        slots = p.loc[self._ids(p, ids)].to(self.device)
+        return self._slot_view(p).index_select(0, slots)
+
+    def write(self, pool: str, ids: IdsLike, data: torch.Tensor) -> None:
+        """Overwrite the blocks' bytes with ``data`` (``[n, unit_bytes]`` uint8, any device)."""
+        p = self._pool(pool)
+        ids = self._ids(p, ids)
+        want = (ids.numel(), p.unit)
+        ok = isinstance(data, torch.Tensor) and data.dtype == torch.uint8
+        if not ok or tuple(data.shape) != want:
+            got = (tuple(data.shape), data.dtype) if isinstance(data, torch.Tensor) else type(data)
+            raise ArenaError(f"pool {p.name!r}: write needs uint8 {want}, got {got}")
+        slots = p.loc[ids].to(self.device)
+        self._slot_view(p).index_copy_(0, slots, data.to(self.device))
+
+    def layer_view(
+        self,
+        pool: str,
+        dtype: torch.dtype,
+        shape: Sequence[int],
+        strides: Sequence[int] | None = None,
+        offset: int = 0,
+    ) -> torch.Tensor:
+        """A zero-copy ``[max_slots, *shape]`` view of one field (e.g. one layer's K) of every
+        block of ``pool``: slot ``s``'s field starts ``offset`` bytes into the block; ``strides``
+        are in elements. Index it with :meth:`resolve` slots. Stays valid across compaction."""
+        p = self._pool(pool)
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        shape = tuple(int(s) for s in shape)
+        strides = tuple(int(s) for s in strides) if strides is not None else _contiguous(shape)
+        if len(strides) != len(shape) or any(s <= 0 for s in shape):
+            raise ArenaError(f"layer_view: shape {shape} and strides {strides} do not match")
+        last = sum((n - 1) * st for n, st in zip(shape, strides, strict=True))
+        extent = offset + (last + 1) * itemsize
+        if offset < 0 or extent > p.unit or p.unit % itemsize or (p.origin + offset) % itemsize:
+            raise ArenaError(
+                f"layer_view on {p.name!r}: offset {offset} B + extent of {shape}/{strides} in "
+                f"{dtype} ({extent} B) must fit the {p.unit} B unit at {itemsize}-byte alignment"
+            )
+        typed = self._buf.view(dtype)
+        return typed.as_strided((p.max_slots, *shape), (p.unit // itemsize, *strides),
+                                (p.origin + offset) // itemsize)
+
+    def fence(self, pool: str, ids: IdsLike, mode: FenceMode) -> Fence:
+        """Register an in-flight ``read`` or ``write`` of live blocks. On CUDA it records an event
+        on the current stream (call it after enqueueing the work); on CPU the worker calls
+        :meth:`Fence.complete`. Until then the blocks do not move and freed slots stay pending."""
+        if mode not in ("read", "write"):
+            raise ArenaError(f"fence mode must be 'read' or 'write', got {mode!r}")
+        p = self._pool(pool)
+        slots = p.loc[self._ids(p, ids)]
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        p.add_fence(slots, mode == "write", +1)
+        fence = Fence(p.name, slots, mode, event)
+        self._fences.append(fence)
+        return fence
+
+    def compact(self, max_moves: int | None = None) -> int:
+        """Close holes by moving blocks from each band's inner edge into holes nearer its anchor
+        (the float band packs toward its low side); at most ``max_moves`` blocks. Blocks with a
+        pending write fence stay; a moved block's old slot stays pending while readers of it are
+        in flight. Returns the number of blocks moved."""
+        self._retire()
+        budget = max_moves if max_moves is not None else 1 << 62
+        moved = 0
+        for p in self._pools.values():
+            if budget - moved <= 0:
+                break
+            moved += self._pack(p, budget - moved)
+        if moved:
+            self.compactions += 1
+        return moved
+
+    def stats(self) -> ArenaStats:
+        """Occupancy per pool, band edges, gap and moves so far."""
+        self._retire()
+        pools = {
+            p.name: PoolStats(
+                unit_bytes=p.unit, anchor=p.anchor, live_blocks=p.num_live,
+                live_bytes=p.num_live * p.unit, hole_bytes=p.num_holes * p.unit,
+                pending_bytes=p.num_pending * p.unit, band_start=p.start, band_end=p.end,
+                moves=p.moves,
+            )
+            for p in self._pools.values()
+        }
+        used = sum(p.end - p.start for p in self._pools.values())
+        return ArenaStats(capacity_bytes=self.capacity_bytes, gap_bytes=self.capacity_bytes - used,
+                          moves=sum(p.moves for p in self._pools.values()),
+                          compactions=self.compactions, pending_fences=len(self._fences),
+                          pools=pools)
+
+    def check_integrity(self) -> None:
+        """Raise IntegrityError if any invariant is broken: tables consistent, every live id in
+        exactly one slot of its band, bands disjoint and ordered, fence counts match fences."""
+        previous_end = 0
+        for p in self._pools.values():
+            p.check()
+            if p.hi > p.lo:
+                if p.start < previous_end or p.end > self.capacity_bytes:
+                    raise IntegrityError(
+                        f"band {p.name} [{p.start},{p.end}) overlaps a lower band ending at "
+                        f"{previous_end} or the capacity {self.capacity_bytes}"
+                    )
+                previous_end = p.end
+        for p in self._pools.values():
+            want_r = torch.zeros(p.max_slots, dtype=torch.int32)
+            want_w = torch.zeros(p.max_slots, dtype=torch.int32)
+            for f in self._fences:
+                if f.pool == p.name:
+                    counts = want_w if f.mode == "write" else want_r
+                    counts.index_add_(0, f.slots, torch.ones_like(f.slots, dtype=torch.int32))
+            if not (torch.equal(want_r, p.readers) and torch.equal(want_w, p.writers)):
+                raise IntegrityError(f"pool {p.name}: fence counts disagree with pending fences")
+
+    # ================================================================ internals
+    def _pool(self, name: str) -> Pool:
+        try:
+            return self._pools[name]
+        except KeyError:
+            raise ArenaError(f"unknown pool {name!r}; pools are {list(self._pools)}") from None
+
+    def _ids(self, p: Pool, ids: IdsLike, *, check: bool = True) -> torch.Tensor:
+        """Validated 1-D CPU long tensor of ``ids``: in range, unique, live (when ``check``)."""
+        t = torch.as_tensor(ids).detach()
+        if t.dim() != 1 or (t.numel() and (t.dtype.is_floating_point or t.dtype == torch.bool)):
+            raise ArenaError(f"pool {p.name!r}: ids must be a 1-D integer tensor, got {t.dtype} "
+                             f"of shape {tuple(t.shape)}")
+        t = t.to("cpu", torch.long)
+        if not check or t.numel() == 0:
+            return t
+        bad = (t < 0) | (t >= p.max_slots)
+        if bool(bad.any()):
+            raise ArenaError(f"pool {p.name!r}: {int(bad.sum())} of {t.numel()} ids outside "
+                             f"[0, {p.max_slots}), first {int(t[bad][0])}")
+        if t.unique().numel() != t.numel():
+            raise ArenaError(f"pool {p.name!r}: {t.numel() - t.unique().numel()} repeated ids")
+        dead = p.loc[t] < 0
+        if bool(dead.any()):
+            raise ArenaError(f"pool {p.name!r}: {int(dead.sum())} of {t.numel()} ids are not "
+                             f"live (already freed or never allocated), first {int(t[dead][0])}")
+        return t
+
+    def _limits(self, p: Pool) -> tuple[int, int]:
+        """Bytes ``[lower, upper)`` between the non-empty neighbouring bands of ``p``."""
+        lower, upper = 0, self.capacity_bytes
+        seen_p = False
+        for q in self._pools.values():
+            if q is p:
+                seen_p = True
+            elif q.hi > q.lo:
+                if seen_p:
+                    upper = min(upper, q.start)
+                else:
+                    lower = max(lower, q.end)
+        return lower, upper
+
+    def _direct(self, p: Pool, n: int) -> torch.Tensor | None:
+        """Slots for ``n`` new blocks from holes and the adjacent gap, growing the band; ``None``
+        (nothing changed) when they do not fit without moving blocks."""
+        holes = p.holes()[:n]
+        need = n - holes.numel()
+        if need == 0:
+            return holes
+        lower, upper = self._limits(p)
+        first_fit = max(0, _ceil_div(lower - p.origin, p.unit))  # lowest slot above `lower`
+        last_fit = (upper - p.origin) // p.unit  # one past the highest slot below `upper`
+        if p.hi == p.lo and p.anchor == "float":  # an empty floating band may start anywhere
+            if last_fit - first_fit < need:
+                return None
+            p.lo = p.hi = first_fit + (last_fit - first_fit - need) // 2
+        up = last_fit - p.hi if p.anchor != "high" else 0
+        down = p.lo - first_fit if p.anchor != "low" else 0
+        if up + down < need:
+            return None
+        n_up = min(up, need)
+        n_down = need - n_up
+        new = torch.cat([torch.arange(p.lo - n_down, p.lo), torch.arange(p.hi, p.hi + n_up)])
+        p.lo -= n_down
+        p.hi += n_up
+        return torch.cat([holes, new])
+
+    def _plan(self, request: Mapping[str, int]) -> _Plan | None:
+        """Band targets that fit ``request`` after compacting every pool, or ``None``."""
+        def grown(p: Pool | None) -> int:
+            if p is None:
+                return 0
+            extent = p.min_extent()
+            holes = extent - p.num_live - p.num_pending
+            return extent + max(0, request.get(p.name, 0) - holes)
+
+        low_slots, high_slots = grown(self._low), grown(self._high)
+        low_end = low_slots * self._low.unit if self._low else 0
+        high_start = self.capacity_bytes
+        if self._high:
+            high_start = self._high.origin + (self._high.max_slots - high_slots) * self._high.unit
+        if low_end > high_start:
+            return None
+        f = self._float
+        if f is None or (f.num_live + f.num_pending + request.get(f.name, 0)) == 0:
+            return _Plan(low_slots, high_slots, None)
+        size = grown(f)
+        s_min = _ceil_div(low_end - f.origin, f.unit)
+        s_max = (high_start - f.origin) // f.unit - size
+        pins = f.pins()
+        if pins is not None:
+            s_min, s_max = max(s_min, pins[1] + 1 - size), min(s_max, pins[0])
+        if s_min > s_max:
+            return None
+        start = min(max(f.lo, s_min), s_max)  # the feasible start nearest today's: fewest moves
+        return _Plan(low_slots, high_slots, (start, start + size))
+
+    def _execute(self, plan: _Plan) -> None:
+        """Compact and slide bands to the plan's targets (low, then high, then float)."""
+        if self._low is not None:
+            self._relocate(self._low, 0, min(plan.low_slots, self._low.hi))
+        if self._high is not None:
+            h = self._high
+            self._relocate(h, max(h.max_slots - plan.high_slots, h.lo), h.max_slots)
+        if self._float is not None and plan.float_band is not None:
+            self._relocate(self._float, *plan.float_band)
+        self.compactions += 1
+
+    def _relocate(self, p: Pool, lo: int, hi: int) -> None:
+        """Move every live block outside slots ``[lo, hi)`` into free slots inside it."""
+        live = torch.nonzero(p.owner[p.lo : p.hi] >= 0).flatten() + p.lo
+        outside = live[(live < lo) | (live >= hi)]
+        if outside.numel():
+            inside = torch.arange(lo, hi)
+            free = inside[~p.occupied(lo, hi)]
+            if p.anchor == "high":
+                free = free.flip(0)
+            assert free.numel() >= outside.numel(), (
+                f"pool {p.name}: {outside.numel()} blocks to move, {free.numel()} free slots"
+            )
+            self._move(p, outside, free[: outside.numel()])
+        p.lo, p.hi = lo, hi  # every occupied slot is inside now; trim to the occupied hull
+        p.trim()
+
+    def _pack(self, p: Pool, budget: int) -> int:
+        """Move up to ``budget`` movable blocks from the inner edge into holes nearer the anchor."""
+        holes = p.holes()
+        if holes.numel() == 0:
+            return 0
+        band = torch.arange(p.lo, p.hi)
+        movable = band[(p.owner[band] >= 0) & (p.writers[band] == 0)]
+        if p.anchor != "high":
+            movable = movable.flip(0)  # farthest from the anchor first
+        k = min(holes.numel(), movable.numel(), budget)
+        holes, movable = holes[:k], movable[:k]
+        worth = holes < movable if p.anchor != "high" else holes > movable
+        k = int(worth.sum())  # holes run toward the edge, blocks away from it: a prefix holds
+        if k:
+            self._move(p, movable[:k], holes[:k])
+        p.trim()
+        return k
+
+    def _move(self, p: Pool, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy blocks ``src`` -> ``dst`` (one batched copy) and relink their ids."""
+        device = self.device
+        kernels.strided_copy(self._buf, self._buf, src.to(device), dst.to(device), nbytes=p.unit,
+                             src_stride=p.unit, dst_stride=p.unit, src_offset=p.origin,
+                             dst_offset=p.origin)
+        p.relink(src, dst)
+
+    def _retire(self) -> None:
+        """Drop fences whose work has finished; their slots become movable / reusable."""
+        if not self._fences:
+            return
+        still: list[Fence] = []
+        touched: set[str] = set()
+        for f in self._fences:
+            if f.done():
+                p = self._pools[f.pool]
+                p.add_fence(f.slots, f.mode == "write", -1)
+                touched.add(f.pool)
+            else:
+                still.append(f)
+        self._fences = still
+        for name in touched:
+            self._pools[name].trim()
+
+    def _slot_view(self, p: Pool) -> torch.Tensor:
+        view = self._views.get(p.name)
+        if view is None:
+            view = self._buf[p.origin : p.origin + p.max_slots * p.unit].view(p.max_slots, p.unit)
+            self._views[p.name] = view
+        return view
+
+    def _device_table(self, p: Pool) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return p.loc
+        version = p.version
+        cached = self._device_tables.get(p.name)
+        if cached is None or cached[0] != version:
+            cached = (version, p.loc.to(self.device))
+            self._device_tables[p.name] = cached
+        return cached[1]
+
+
+def _count(pool: str, n: object) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ArenaError(f"pool {pool!r}: block count must be a non-negative int, got {n!r}")
+    return n
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -((-a) // b)
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))

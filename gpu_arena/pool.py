@@ -1,0 +1,192 @@
+"""Per-pool bookkeeping: the location table, the slot owners, fence counts and the band."""
+
+from __future__ import annotations
+
+import torch
+
+from gpu_arena.spec import IntegrityError, PoolSpec
+
+_LONG = torch.long
+
+
+class Pool:
+    """The tables of one sub-pool. Slot ``s`` lives at byte ``origin + s * unit_bytes``; the band
+    is the slot range ``[lo, hi)``. Pure bookkeeping on CPU tensors: no bytes are copied here.
+
+    ``loc[vid]`` is the slot of a live virtual id (-1 when the id is free); ``owner[slot]`` is the
+    live id in a slot (-1 when free). ``readers``/``writers`` count pending fences per slot; a free
+    slot with a fence is *pending*: it still belongs to the band and is not reused.
+    """
+
+    def __init__(self, spec: PoolSpec, origin: int, max_slots: int, lo: int) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.unit = spec.unit_bytes
+        self.anchor = spec.anchor
+        self.origin = origin
+        self.max_slots = max_slots
+        self.lo = lo
+        self.hi = lo
+        self.loc = torch.full((max_slots,), -1, dtype=_LONG)
+        self.owner = torch.full((max_slots,), -1, dtype=_LONG)
+        self.readers = torch.zeros(max_slots, dtype=torch.int32)
+        self.writers = torch.zeros(max_slots, dtype=torch.int32)
+        # Free virtual ids as a stack: popping from the top hands out 0, 1, 2, ... first.
+        self.free_ids = torch.arange(max_slots - 1, -1, -1, dtype=_LONG)
+        self.num_free_ids = max_slots
+        self.num_live = 0
+        self.num_pending = 0
+        self.moves = 0
+        self.version = 0  # bumped whenever `loc` changes (device mirrors re-copy)
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def start(self) -> int:
+        """First byte of the band."""
+        return self.origin + self.lo * self.unit
+
+    @property
+    def end(self) -> int:
+        """One past the last byte of the band."""
+        return self.origin + self.hi * self.unit
+
+    @property
+    def num_holes(self) -> int:
+        """Free slots inside the band that no fence holds (reusable now)."""
+        return self.hi - self.lo - self.num_live - self.num_pending
+
+    def fenced(self, lo: int, hi: int) -> torch.Tensor:
+        """Mask over slots ``[lo, hi)``: some fence is pending on the slot."""
+        return (self.readers[lo:hi] > 0) | (self.writers[lo:hi] > 0)
+
+    def occupied(self, lo: int, hi: int) -> torch.Tensor:
+        """Mask over slots ``[lo, hi)``: live or pending (not reusable)."""
+        return (self.owner[lo:hi] >= 0) | self.fenced(lo, hi)
+
+    def holes(self) -> torch.Tensor:
+        """Reusable slots of the band, nearest the anchor first."""
+        if self.num_holes == 0:
+            return torch.empty(0, dtype=_LONG)
+        idx = torch.nonzero(~self.occupied(self.lo, self.hi)).flatten() + self.lo
+        return idx.flip(0) if self.anchor == "high" else idx
+
+    def pins(self) -> tuple[int, int] | None:
+        """Lowest and highest slot holding a fence (such slots cannot move), or None."""
+        if self.hi == self.lo:
+            return None
+        idx = torch.nonzero(self.fenced(self.lo, self.hi)).flatten()
+        if idx.numel() == 0:
+            return None
+        return int(idx[0]) + self.lo, int(idx[-1]) + self.lo
+
+    def min_extent(self) -> int:
+        """Slots the band needs after full compaction: every occupied slot, and every fenced slot
+        where it is (fenced blocks do not move)."""
+        occupied = self.num_live + self.num_pending
+        pins = self.pins()
+        if pins is None:
+            return occupied
+        if self.anchor == "low":
+            return max(occupied, pins[1] + 1)
+        if self.anchor == "high":
+            return max(occupied, self.max_slots - pins[0])
+        return max(occupied, pins[1] - pins[0] + 1)
+
+    # --------------------------------------------------------------- updates
+    def take_ids(self, slots: torch.Tensor) -> torch.Tensor:
+        """Bind fresh virtual ids to ``slots`` (free, reusable) and return the ids."""
+        n = slots.numel()
+        assert n <= self.num_free_ids, f"pool {self.name}: {n} ids wanted, {self.num_free_ids} free"
+        ids = self.free_ids[self.num_free_ids - n : self.num_free_ids].flip(0).clone()
+        self.num_free_ids -= n
+        self.loc[ids] = slots
+        self.owner[slots] = ids
+        self.num_live += n
+        self.version += 1
+        return ids
+
+    def release_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Unbind live ``ids``; return their slots (now free, pending where fenced)."""
+        slots = self.loc[ids]
+        self.owner[slots] = -1
+        self.loc[ids] = -1
+        n = ids.numel()
+        self.free_ids[self.num_free_ids : self.num_free_ids + n] = ids.flip(0)
+        self.num_free_ids += n
+        self.num_live -= n
+        self.version += 1
+        self.num_pending += int(self._fenced_at(slots).sum())
+        return slots
+
+    def relink(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Record that the blocks in ``src`` slots now live in ``dst`` slots."""
+        ids = self.owner[src]
+        self.owner[dst] = ids
+        self.owner[src] = -1
+        self.loc[ids] = dst
+        self.num_pending += int(self._fenced_at(src).sum())
+        self.moves += src.numel()
+        self.version += 1
+
+    def add_fence(self, slots: torch.Tensor, write: bool, delta: int) -> None:
+        """Count a fence on (``delta=1``) or off (``delta=-1``) ``slots``."""
+        counts = self.writers if write else self.readers
+        before = self._fenced_at(slots) & (self.owner[slots] < 0)
+        counts.index_add_(0, slots, torch.full_like(slots, delta, dtype=torch.int32))
+        after = self._fenced_at(slots) & (self.owner[slots] < 0)
+        self.num_pending += int(after.sum()) - int(before.sum())
+
+    def _fenced_at(self, slots: torch.Tensor) -> torch.Tensor:
+        return (self.readers[slots] > 0) | (self.writers[slots] > 0)
+
+    def trim(self) -> None:
+        """Shrink the band from its inner edge(s) past slots that are free and unfenced."""
+        if self.hi == self.lo:
+            return
+        idx = torch.nonzero(self.occupied(self.lo, self.hi)).flatten()
+        if idx.numel() == 0:
+            if self.anchor == "high":
+                self.lo = self.hi
+            else:
+                self.hi = self.lo
+            return
+        first, last = int(idx[0]) + self.lo, int(idx[-1]) + self.lo
+        if self.anchor != "high":
+            self.hi = last + 1
+        if self.anchor != "low":
+            self.lo = first
+
+    # ------------------------------------------------------------- integrity
+    def check(self) -> None:
+        """Raise IntegrityError if the tables disagree with each other or with the band."""
+        name = self.name
+        live_ids = torch.nonzero(self.loc >= 0).flatten()
+        live_slots = torch.nonzero(self.owner >= 0).flatten()
+        _require(live_ids.numel() == self.num_live == live_slots.numel(),
+                 f"{name}: live count {self.num_live}, ids {live_ids.numel()}, "
+                 f"slots {live_slots.numel()}")
+        _require(bool((self.owner[self.loc[live_ids]] == live_ids).all()),
+                 f"{name}: loc and owner disagree")
+        _require(0 <= self.lo <= self.hi <= self.max_slots, f"{name}: band [{self.lo},{self.hi})")
+        outside = torch.ones(self.max_slots, dtype=torch.bool)
+        outside[self.lo : self.hi] = False
+        _require(not bool((self.owner[outside] >= 0).any()), f"{name}: live slot outside band")
+        _require(not bool(self.fenced(0, self.max_slots)[outside].any()),
+                 f"{name}: fenced slot outside band")
+        _require(bool((self.readers >= 0).all() and (self.writers >= 0).all()),
+                 f"{name}: negative fence count")
+        pending = int((self.fenced(0, self.max_slots) & (self.owner < 0)).sum())
+        _require(pending == self.num_pending, f"{name}: pending {self.num_pending} != {pending}")
+        free = self.free_ids[: self.num_free_ids]
+        everything = torch.cat([free, live_ids]).sort().values
+        _require(bool(torch.equal(everything, torch.arange(self.max_slots))),
+                 f"{name}: free ids + live ids are not all ids exactly once")
+        if self.anchor == "low":
+            _require(self.lo == 0, f"{name}: low band starts at slot {self.lo}")
+        if self.anchor == "high":
+            _require(self.hi == self.max_slots, f"{name}: high band ends at slot {self.hi}")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise IntegrityError(message)

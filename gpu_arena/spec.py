@@ -1,0 +1,41 @@
+"""Pool specifications and the arena's errors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Anchor = Literal["low", "high", "float"]
+ANCHORS: tuple[Anchor, ...] = ("low", "float", "high")  # band order from byte 0 upwards
+ALIGN = 16  # bytes: every unit and the capacity are multiples, so copies can be vector-wide
+
+
+class ArenaError(ValueError):
+    """Caller misuse of an arena: unknown pool, foreign or double-freed id, wrong shape."""
+
+
+class IntegrityError(AssertionError):
+    """An arena's internal state broke an invariant (a bug, never caller misuse)."""
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """One sub-pool: blocks of ``unit_bytes`` in a band anchored at the low end, the high end, or
+    floating between them. An arena holds at most one pool per anchor."""
+
+    name: str
+    unit_bytes: int
+    anchor: Anchor = "float"
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ArenaError("pool name must not be empty")
+        if self.unit_bytes <= 0 or self.unit_bytes % ALIGN:
+            raise ArenaError(
+                f"pool {self.name!r}: unit_bytes must be a positive multiple of {ALIGN}, "
+                f"got {self.unit_bytes}"
+            )
+        if self.anchor not in ANCHORS:
+            raise ArenaError(
+                f"pool {self.name!r}: anchor must be one of {ANCHORS}, got {self.anchor!r}"
+            )

@@ -1,0 +1,138 @@
+"""Random alloc / free / write / compact / fence sequences over three pools of different unit
+sizes; after every step every live block reads back the bytes last written to it."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from gpu_arena import Arena, PoolSpec
+
+POOLS = [PoolSpec("state", 96, "low"), PoolSpec("swa", 64, "float"), PoolSpec("kv", 48, "high")]
+CAPACITY = 2048 + 16  # not a multiple of any unit: the high band's origin is offset
+
+
+class ArenaMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.arena = Arena(CAPACITY, POOLS)
+        self.units = {p.name: p.unit_bytes for p in POOLS}
+        self.data: dict[tuple[str, int], torch.Tensor] = {}  # (pool, id) -> expected bytes
+        # Each pending fence: its pool, block id, slot at fencing time, and whether the block
+        # is still the one fenced (ids are reused after a free).
+        self.fences: list[dict] = []
+        self.counter = 0
+
+    def _fresh(self, pool: str, n: int) -> torch.Tensor:
+        self.counter += 1
+        g = torch.Generator().manual_seed(self.counter)
+        return torch.randint(0, 256, (n, self.units[pool]), dtype=torch.uint8, generator=g)
+
+    def _live(self, pool: str) -> list[int]:
+        return sorted(i for (p, i) in self.data if p == pool)
+
+    def _pinned_slots(self, pool: str) -> set[int]:
+        return {f["slot"] for f in self.fences if f["pool"] == pool}
+
+    @rule(pool=st.sampled_from([p.name for p in POOLS]), n=st.integers(0, 6))
+    def alloc(self, pool: str, n: int) -> None:
+        predicted = self.arena.can_alloc({pool: n})
+        ids = self.arena.alloc(pool, n)
+        assert (ids is not None) == predicted, f"can_alloc said {predicted} for {pool}:{n}"
+        if ids is None:
+            return
+        slots = self.arena.resolve(pool, ids).tolist()
+        # A slot held by a pending fence is never handed out, whether its block was freed or
+        # moved away by compaction while the fence was in flight.
+        assert not set(slots) & self._pinned_slots(pool), f"pending slot reused in {pool}"
+        data = self._fresh(pool, n)
+        self.arena.write(pool, ids, data)
+        for i, vid in enumerate(ids.tolist()):
+            self.data[(pool, vid)] = data[i]
+
+    @rule(pools=st.fixed_dictionaries({p.name: st.integers(0, 4) for p in POOLS}))
+    def joint(self, pools: dict[str, int]) -> None:
+        """can_alloc for a joint request promises every part succeeds, in any order."""
+        if not self.arena.can_alloc(pools):
+            return
+        for pool in reversed(list(pools)):
+            ids = self.arena.alloc(pool, pools[pool])
+            assert ids is not None, f"joint {pools} promised but {pool} failed"
+            data = self._fresh(pool, len(ids))
+            self.arena.write(pool, ids, data)
+            for i, vid in enumerate(ids.tolist()):
+                self.data[(pool, vid)] = data[i]
+
+    @precondition(lambda self: bool(self.data))
+    @rule(pick=st.data())
+    def free(self, pick: st.DataObject) -> None:
+        keys = sorted(self.data)
+        chosen = pick.draw(st.lists(st.sampled_from(keys), min_size=1, max_size=5, unique=True))
+        pool = chosen[0][0]
+        ids = [vid for p, vid in chosen if p == pool]
+        self.arena.free(pool, ids)
+        for vid in ids:
+            del self.data[(pool, vid)]
+        for f in self.fences:
+            if f["pool"] == pool and f["vid"] in ids:
+                f["alive"] = False
+
+    @precondition(lambda self: bool(self.data))
+    @rule(pick=st.data())
+    def overwrite(self, pick: st.DataObject) -> None:
+        pool, vid = pick.draw(st.sampled_from(sorted(self.data)))
+        data = self._fresh(pool, 1)
+        self.arena.write(pool, [vid], data)
+        self.data[(pool, vid)] = data[0]
+
+    @rule(max_moves=st.one_of(st.none(), st.integers(0, 5)))
+    def compact(self, max_moves: int | None) -> None:
+        before = {k: None for k in self.data}
+        moved = self.arena.compact(max_moves)
+        assert max_moves is None or moved <= max_moves
+        assert before.keys() == self.data.keys()
+
+    @precondition(lambda self: bool(self.data) and len(self.fences) < 4)
+    @rule(pick=st.data(), mode=st.sampled_from(["read", "write"]))
+    def fence(self, pick: st.DataObject, mode: str) -> None:
+        pool, vid = pick.draw(st.sampled_from(sorted(self.data)))
+        fence = self.arena.fence(pool, [vid], mode)  # type: ignore[arg-type]
+        slot = int(self.arena.resolve(pool, [vid])[0])
+        self.fences.append(
+            {"fence": fence, "pool": pool, "vid": vid, "slot": slot, "mode": mode, "alive": True}
+        )
+
+    @precondition(lambda self: bool(self.fences))
+    @rule(pick=st.data())
+    def retire(self, pick: st.DataObject) -> None:
+        i = pick.draw(st.integers(0, len(self.fences) - 1))
+        self.fences.pop(i)["fence"].complete()
+
+    @invariant()
+    def bytes_survive(self) -> None:
+        self.arena.check_integrity()
+        for pool in self.units:
+            ids = self._live(pool)
+            assert self.arena.num_live(pool) == len(ids)
+            if not ids:
+                continue
+            got = self.arena.read(pool, ids)
+            want = torch.stack([self.data[(pool, i)] for i in ids])
+            assert torch.equal(got, want), f"{pool}: bytes changed"
+
+    @invariant()
+    def write_fenced_blocks_stay(self) -> None:
+        for f in self.fences:
+            if f["mode"] == "write" and f["alive"]:
+                assert int(self.arena.resolve(f["pool"], [f["vid"]])[0]) == f["slot"]
+
+
+ArenaMachine.TestCase.settings = settings(
+    max_examples=int(os.environ.get("ARENA_EXAMPLES", "60")), stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestArenaMachine = ArenaMachine.TestCase
