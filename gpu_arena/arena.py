@@ -123,6 +123,20 @@ class Arena:
         self._retire()
         return self._plan(counts) is not None
 
+    def max_alloc(self, pool: str) -> int:
+        """The most blocks of ``pool`` one allocation could get now (after compaction). Changes
+        nothing; agrees with :meth:`can_alloc`."""
+        p = self._pool(pool)
+        self._retire()
+        lo, hi = 0, p.max_slots - p.num_live - p.num_pending
+        while lo < hi:  # largest n with a plan; plans are monotone in n
+            mid = (lo + hi + 1) // 2
+            if self._plan({p.name: mid}) is None:
+                hi = mid - 1
+            else:
+                lo = mid
+        return lo
+
     def free(self, pool: str, ids: IdsLike) -> None:
         """Free live ids (capacity returns at once; fenced slots are reused only after their
         fences retire). A foreign or already-free id raises ArenaError and frees nothing."""

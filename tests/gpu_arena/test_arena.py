@@ -89,6 +89,7 @@ def test_alloc_returns_none_and_changes_nothing_when_full() -> None:
     assert a.can_alloc({"state": 1}) and a.can_alloc({"swa": 2})
     assert not a.can_alloc({"state": 1, "swa": 1})  # jointly 3 units
     assert a.stats() == before
+    assert a.max_alloc("kv") == 2 and a.max_alloc("state") == 1 and a.max_alloc("swa") == 2
     a.check_integrity()
 
 

@@ -1,0 +1,86 @@
+"""Typed results that cross the store's boundary."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from gpu_arena import ArenaStats
+from tierstore.radix import Node
+
+
+class Lease:
+    """Locks a matched prefix against eviction until :meth:`TierStore.release`."""
+
+    __slots__ = ("node", "owner", "released")
+
+    def __init__(self, node: Node, owner: object) -> None:
+        self.node = node
+        self.owner = owner
+        self.released = False
+
+    def __repr__(self) -> str:
+        return f"Lease(end={self.node.end} pages, released={self.released})"
+
+
+@dataclass(frozen=True)
+class MatchResult:
+    """The usable cached prefix of a request (the hybrid match rule applied).
+
+    ``kv``/``swa`` hold L1 ids of pages ``[0, pages)`` (``swa`` is -1 for tombstoned pages
+    outside the window); ``state`` is the checkpoint at exactly ``tokens``. Ids stay valid while
+    ``lease`` is held; release it once the request no longer reads them."""
+
+    tokens: int
+    pages: int
+    kv: torch.Tensor
+    swa: torch.Tensor
+    state: int | None
+    lease: Lease | None
+    kv_pages_found: int  # consecutive KV pages present, before the hybrid rule cut
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """Fresh L1 blocks for a running request, by kind; owned by the caller until inserted or
+    freed with :meth:`TierStore.free`."""
+
+    blocks: dict[str, torch.Tensor]
+
+    def __getitem__(self, kind: str) -> torch.Tensor:
+        return self.blocks.get(kind, torch.empty(0, dtype=torch.long))
+
+
+@dataclass(frozen=True)
+class InsertResult:
+    """What an insert stored: new pages, pages already cached, whether the checkpoint was kept,
+    and how many given blocks were duplicates (freed) or tombstoned SWA pages (freed)."""
+
+    stored: bool
+    new_pages: int
+    cached_pages: int
+    checkpoint: bool
+    duplicates_freed: int
+    swa_dropped: int
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """Counters since start, plus the index and arena occupancy now."""
+
+    requests: int
+    requests_hit: int
+    tokens_queried: int
+    tokens_hit: int
+    evictions: int
+    evicted_blocks: dict[str, int]
+    nodes: int
+    pages: int
+    arena: ArenaStats
+    rule: str = field(default="unified")
+
+    @property
+    def hit_rate(self) -> float:
+        """Fraction of queried tokens served from the cache."""
+        return self.tokens_hit / self.tokens_queried if self.tokens_queried else 0.0

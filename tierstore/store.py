@@ -1,0 +1,452 @@
+"""``TierStore``: the library entry point (L1 = the unified arena)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from gpu_arena import Arena, ArenaError, IntegrityError, PoolSpec
+from tierstore.config import StoreConfig
+from tierstore.errors import LeaseError, ShapeError, TokenError
+from tierstore.eviction import StopCondition, make_policy, victims
+from tierstore.hashing import PageHasher, as_tokens, check_namespace
+from tierstore.layout import ModelLayout
+from tierstore.radix import Node, RadixIndex, Segment
+from tierstore.results import Allocation, InsertResult, Lease, MatchResult, StoreStats
+
+log = logging.getLogger(__name__)
+
+KINDS = ("kv", "swa", "state")
+_ANCHOR = {"state": "low", "swa": "float", "kv": "high"}
+_EMPTY = torch.empty(0, dtype=torch.long)
+Blocks = torch.Tensor | Sequence[int] | None
+
+
+class TierStore:
+    """A prefix cache for one model layout over one unified arena.
+
+    Engines call :meth:`match` when a request arrives (and hold the lease while reading the
+    prefix), :meth:`allocate` for the blocks the request computes (evicting cached prefixes as
+    the stopping rule says), :meth:`insert` when it finishes (handing the blocks to the cache),
+    and :meth:`release`. Bad input raises a :class:`~tierstore.errors.TierStoreError` and changes
+    nothing.
+    """
+
+    def __init__(self, layout: ModelLayout, config: StoreConfig) -> None:
+        self.layout = layout
+        self.config = config
+        envelopes = layout.envelopes()
+        self.kinds = tuple(k for k in KINDS if k in envelopes)
+        pools = [PoolSpec(k, envelopes[k].nbytes, _ANCHOR[k]) for k in self.kinds]  # type: ignore[arg-type]
+        self.arena = Arena(config.capacity_bytes, pools, config.device)
+        self.index = RadixIndex()
+        self.hasher = PageHasher(layout.name, layout.fingerprint, layout.page_size,
+                                 config.hash_algorithm)
+        self.policy = make_policy(config.eviction)
+        retention = config.swa_retention
+        if retention == "auto":
+            retention = "window" if layout.state is not None else "all"
+        self._swa_window_only = retention == "window"
+        self._owned: dict[str, set[int]] = {k: set() for k in self.kinds}
+        self._outstanding = dict.fromkeys(self.kinds, 0)
+        self._tick = 0
+        self._requests = self._requests_hit = self._tokens_queried = self._tokens_hit = 0
+        self._evictions = 0
+        self._evicted = dict.fromkeys(self.kinds, 0)
+
+    # ================================================================== lookup
+    def match(self, tokens: object, namespace: str = "default", *, priority: int = 0
+              ) -> MatchResult:
+        """The longest usable cached prefix of ``tokens``; locks it with a lease when non-empty.
+
+        A prefix of P pages is usable when its KV pages are present, a state checkpoint sits at
+        exactly P (models with recurrent layers), and the SWA pages of the window before P are
+        present (models with SWA layers)."""
+        toks = self._tokens(tokens)
+        keys = self.hasher.pages(toks, check_namespace(namespace))
+        path = self.index.walk(keys)
+        kv: list[int] = []
+        swa: list[int] = []
+        for seg in path:
+            kv += seg.node.kv[: seg.pages]
+            swa += seg.node.swa[: seg.pages]
+        found = next((i for i, v in enumerate(kv) if v < 0), len(kv))
+        pages = self._usable(path, found, swa)
+        self._requests += 1
+        self._tokens_queried += len(toks)
+        if pages == 0:
+            return MatchResult(0, 0, _EMPTY, _EMPTY, None, None, found)
+        node = self.index.node_ending_at(_cut(path, pages))
+        self.index.lock(node, +1)
+        self._touch(node, priority)
+        self._requests_hit += 1
+        tokens_hit = pages * self.layout.page_size
+        self._tokens_hit += tokens_hit
+        state = node.state if self.layout.state is not None else None
+        return MatchResult(tokens_hit, pages, torch.tensor(kv[:pages], dtype=torch.long),
+                           torch.tensor(swa[:pages], dtype=torch.long), state,
+                           Lease(node, self), found)
+
+    def peek(self, tokens: object, namespace: str = "default") -> int:
+        """Tokens of ``tokens`` that :meth:`match` would serve now. Changes nothing: no lease,
+        no use recorded, no counters."""
+        toks = self._tokens(tokens)
+        path = self.index.walk(self.hasher.pages(toks, check_namespace(namespace)))
+        kv = [v for seg in path for v in seg.node.kv[: seg.pages]]
+        swa = [v for seg in path for v in seg.node.swa[: seg.pages]]
+        found = next((i for i, v in enumerate(kv) if v < 0), len(kv))
+        return self._usable(path, found, swa) * self.layout.page_size
+
+    def _usable(self, path: list[Segment], found: int, swa: list[int]) -> int:
+        """Deepest prefix length (pages) the hybrid match rule accepts."""
+        window = self.layout.swa_window_pages()
+
+        def window_ok(end: int) -> bool:
+            return self.layout.swa is None or all(s >= 0 for s in swa[max(0, end - window):end])
+
+        if self.layout.state is not None:
+            for seg in reversed(path):
+                n = seg.node
+                if seg.pages == len(n.keys) and n.state >= 0 and n.end <= found \
+                        and window_ok(n.end):
+                    return n.end
+            return 0
+        end = found
+        while end > 0 and not window_ok(end):
+            end -= 1
+        return end
+
+    def release(self, lease: Lease) -> None:
+        """Unlock a matched prefix. Releasing twice, or another store's lease, raises."""
+        if not isinstance(lease, Lease) or lease.owner is not self:
+            raise LeaseError("lease does not belong to this store")
+        if lease.released:
+            raise LeaseError("lease already released")
+        lease.released = True
+        self.index.lock(lease.node, -1)
+
+    # ============================================================= allocation
+    def allocate(self, demand: Mapping[str, int]) -> Allocation | None:
+        """Fresh blocks ({kind: count}) for a running request, evicting unlocked cached
+        prefixes per the stopping rule; ``None`` when even evicting everything unlocked cannot
+        make room (what was evicted stays evicted)."""
+        demand = self._demand(demand)
+        if not self._make_room(demand):
+            return None
+        blocks = {}
+        for kind, n in demand.items():
+            ids = self.arena.alloc(kind, n)
+            assert ids is not None, f"can_alloc promised {demand}, {kind} failed"
+            blocks[kind] = ids
+            self._outstanding[kind] += n
+        return Allocation(blocks)
+
+    def free(self, kind: str, ids: Blocks) -> None:
+        """Return blocks from :meth:`allocate` that will not be inserted."""
+        ids_t = self._ids(kind, ids)
+        if self._owned[kind].intersection(ids_t.tolist()):
+            raise ShapeError(f"{kind}: ids belong to the cache, not to the caller")
+        self.arena.free(kind, ids_t)
+        self._outstanding[kind] -= ids_t.numel()
+
+    def _make_room(self, demand: Mapping[str, int]) -> bool:
+        if self.arena.can_alloc(demand):
+            return True
+        stop = StopCondition(self.config.stop_rule, demand,
+                             lambda: self.arena.can_alloc(demand), self.arena.max_alloc)
+        for leaf in victims(self.index, self.policy, lambda n: True):
+            stop.freed(self._drop(leaf))
+            if stop.satisfied():
+                return True
+        return self.arena.can_alloc(demand)
+
+    def _drop(self, leaf: Node) -> dict[str, int]:
+        """Evict one leaf from L1: free its blocks and detach it. Returns blocks freed per kind."""
+        freed = {}
+        for kind, ids in (("kv", leaf.kv), ("swa", leaf.swa),
+                          ("state", [leaf.state])):
+            live = [i for i in ids if i >= 0]
+            if live and kind in self._owned:
+                self.arena.free(kind, live)
+                self._owned[kind].difference_update(live)
+                self._evicted[kind] += len(live)
+            freed[kind] = len(live)
+        self.index.remove_leaf(leaf)
+        self._evictions += 1
+        return freed
+
+    # ================================================================= insert
+    def insert(self, tokens: object, namespace: str = "default", *, kv: Blocks = None,
+               swa: Blocks = None, state: Blocks | int = None, priority: int = 0
+               ) -> InsertResult:
+        """Cache the full pages of ``tokens``.
+
+        Each of ``kv`` (one per page), ``swa`` (the *last* ``len(swa)`` pages) and ``state``
+        (one checkpoint at exactly ``len(tokens)``, which must then be page-aligned) is either
+        L1 ids from :meth:`allocate` / a match (ownership passes to the cache; duplicates of
+        cached pages are freed) or envelope bytes, a ``uint8`` tensor ``[n, envelope bytes]``
+        (copied into fresh blocks, evicting as needed; ``stored=False`` when they do not fit).
+        """
+        toks = self._tokens(tokens)
+        ns = check_namespace(namespace)
+        n_pages = len(toks) // self.layout.page_size
+        given = {k: self._blocks(k, v) for k, v in (("kv", kv), ("swa", swa))}
+        given["state"] = self._blocks("state", [state] if isinstance(state, int) else state)
+        self._check_counts(given, n_pages, len(toks))
+        keys = self.hasher.pages(toks, ns)
+        path = self.index.walk(keys)
+        cached = sum(s.pages for s in path)
+        for kind, blocks in given.items():
+            if blocks is not None and blocks.dtype == torch.long:
+                self._check_ids(kind, blocks, path, n_pages)
+
+        # Bytes: copy into fresh blocks first, so a shortfall changes nothing.
+        need = self._bytes_demand(given, path, n_pages, cached)
+        if any(need.values()):
+            anchor = self.index.node_ending_at(path) if path else None
+            if anchor is not None:
+                self.index.lock(anchor, +1)
+            try:
+                if not self._make_room({k: n for k, n in need.items() if n}):
+                    return InsertResult(False, 0, cached, False, 0, 0)
+            finally:
+                if anchor is not None:
+                    self.index.lock(anchor, -1)
+            path = self.index.walk(keys)  # the anchor was locked: the path is intact
+        for kind, n in need.items():
+            data = given[kind]
+            assert data is not None
+            given[kind] = self._store_bytes(kind, data, n_pages, cached) if n else None
+        return self._link(keys, path, given, n_pages, cached, priority)
+
+    def _link(self, keys: list[bytes], path: list[Segment], given: dict[str, torch.Tensor | None],
+              n_pages: int, cached: int, priority: int) -> InsertResult:
+        """Hang the given ids into the tree; ids the cache did not already own pass from the
+        caller to the cache, and those it does not keep are freed."""
+        handed = {k: sum(1 for i in (v.tolist() if v is not None else [])
+                         if i >= 0 and i not in self._owned[k])
+                  for k, v in given.items() if k in self.kinds}
+        kv_ids, swa_ids = _padded(given["kv"], n_pages), _padded(given["swa"], n_pages)
+        state_ids = given["state"]
+        end = self.index.node_ending_at(path)
+        path = self.index.walk(keys[:cached])  # a split above re-cut the last node
+        # A hybrid match can only end at a checkpoint: SWA pages outside the window before one
+        # are never read, so (with window retention) they are not kept.
+        has_checkpoint = state_ids is not None or (cached == n_pages and end.state >= 0)
+        keep_from = 0
+        if self._swa_window_only:
+            keep_from = n_pages - self.layout.swa_window_pages() if has_checkpoint else n_pages
+        spare: dict[str, list[int]] = {k: [] for k in self.kinds}
+        dropped = 0
+        pos = 0
+        for seg in path:  # pages already cached keep the cache's ids; SWA tombstones refill
+            n = seg.node
+            for j in range(seg.pages):
+                p = pos + j
+                if kv_ids[p] >= 0 and kv_ids[p] != n.kv[j]:
+                    spare["kv"].append(kv_ids[p])
+                if swa_ids[p] >= 0 and swa_ids[p] != n.swa[j]:
+                    if n.swa[j] < 0 and p >= keep_from:
+                        n.swa[j] = swa_ids[p]
+                        self._owned["swa"].add(swa_ids[p])
+                    else:
+                        spare["swa"].append(swa_ids[p])
+            pos += seg.pages
+        if cached < n_pages:
+            new_swa = swa_ids[cached:]
+            for i, sid in enumerate(new_swa):
+                if sid >= 0 and cached + i < keep_from:
+                    spare["swa"].append(sid)
+                    new_swa[i] = -1
+                    dropped += 1
+            end = self.index.extend(end, keys[cached:], kv_ids[cached:], new_swa)
+            for kind, ids in (("kv", end.kv), ("swa", end.swa)):
+                if kind in self._owned:
+                    self._owned[kind].update(i for i in ids if i >= 0)
+        checkpoint = False
+        if state_ids is not None:
+            sid = int(state_ids[0])
+            if end.state < 0:
+                end.state = sid
+                self._owned["state"].add(sid)
+                checkpoint = True
+            elif end.state != sid:
+                spare["state"].append(sid)
+        for kind, ids in spare.items():
+            if ids:
+                self.arena.free(kind, ids)
+        for kind, count in handed.items():
+            self._outstanding[kind] -= count
+        self._touch(end, priority)
+        duplicates = sum(len(v) for v in spare.values()) - dropped
+        return InsertResult(True, n_pages - cached, cached, checkpoint, duplicates, dropped)
+
+    # ============================================================= inspection
+    def stats(self) -> StoreStats:
+        """Counters since start and occupancy now."""
+        return StoreStats(self._requests, self._requests_hit, self._tokens_queried,
+                          self._tokens_hit, self._evictions, dict(self._evicted),
+                          self.index.num_nodes, self.index.num_pages, self.arena.stats(),
+                          self.config.stop_rule)
+
+    def check_integrity(self) -> None:
+        """Raise IntegrityError if the arena, the index or their agreement is broken: every id
+        in the index is live, owned once, and live = cached + handed out."""
+        self.arena.check_integrity()
+        self.index.check_integrity()
+        seen: dict[str, list[int]] = {k: [] for k in self.kinds}
+        for n in self.index.nodes():
+            for kind, ids in (("kv", n.kv), ("swa", n.swa), ("state", [n.state])):
+                if kind in seen:
+                    seen[kind] += [i for i in ids if i >= 0]
+        for kind in self.kinds:
+            ids = seen[kind]
+            if len(ids) != len(set(ids)) or set(ids) != self._owned[kind]:
+                raise IntegrityError(f"{kind}: index ids and owned set disagree")
+            live = self.arena.num_live(kind)
+            if live != len(ids) + self._outstanding[kind]:
+                raise IntegrityError(f"{kind}: {live} live blocks != {len(ids)} cached + "
+                                     f"{self._outstanding[kind]} handed out")
+            if ids:
+                self.arena.resolve(kind, ids)  # raises if any is not live
+
+    # =============================================================== helpers
+    def _touch(self, node: Node, priority: int) -> None:
+        self._tick += 1
+        self.index.touch(node, float(self._tick), priority)
+
+    def _tokens(self, tokens: object) -> np.ndarray:
+        toks = as_tokens(tokens)
+        if len(toks) > self.config.max_tokens:
+            raise TokenError(f"{len(toks)} tokens exceed the limit of {self.config.max_tokens}")
+        return toks
+
+    def _demand(self, demand: Mapping[str, int]) -> dict[str, int]:
+        out = {}
+        for kind, n in demand.items():
+            if kind not in self.kinds:
+                raise ShapeError(f"kind {kind!r} is not in this layout; kinds: {self.kinds}")
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise ShapeError(f"{kind}: block count must be a non-negative int, got {n!r}")
+            if n:
+                out[kind] = n
+        return out
+
+    def _ids(self, kind: str, ids: Blocks) -> torch.Tensor:
+        if kind not in self.kinds:
+            raise ShapeError(f"kind {kind!r} is not in this layout; kinds: {self.kinds}")
+        t = torch.as_tensor(ids if ids is not None else [], dtype=torch.long).reshape(-1)
+        try:
+            if t.numel():
+                self.arena.resolve(kind, t)
+        except ArenaError as exc:
+            raise ShapeError(f"{kind}: {exc}") from None
+        return t
+
+    def _blocks(self, kind: str, value: Blocks) -> torch.Tensor | None:
+        """Ids as a long tensor, or envelope bytes as a ``[n, unit]`` uint8 tensor."""
+        if value is None:
+            return None
+        if kind not in self.kinds:
+            raise ShapeError(f"this layout has no {kind!r} envelopes; kinds: {self.kinds}")
+        if isinstance(value, torch.Tensor) and value.dtype == torch.uint8:
+            unit = self.arena.spec(kind).unit_bytes
+            data = value.reshape(1, -1) if value.dim() == 1 else value
+            if data.dim() != 2 or data.shape[1] != unit:
+                raise ShapeError(f"{kind}: envelopes must be {unit} bytes each, got a tensor of "
+                                 f"shape {tuple(value.shape)}")
+            return data
+        try:
+            t = torch.as_tensor(value)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise ShapeError(f"{kind}: expected ids or uint8 envelopes ({exc})") from None
+        if t.dtype.is_floating_point or t.dtype == torch.bool or t.dim() > 1:
+            raise ShapeError(f"{kind}: ids must be a 1-D integer sequence, got {t.dtype} "
+                             f"{tuple(t.shape)}")
+        return t.to(torch.long).reshape(-1)
+
+    def _check_counts(self, given: dict[str, torch.Tensor | None], n_pages: int,
+                      n_tokens: int) -> None:
+        kv, swa, state = given["kv"], given["swa"], given["state"]
+        if "kv" in self.kinds and (kv is None or len(kv) != n_pages):
+            got = None if kv is None else len(kv)
+            raise ShapeError(f"kv: {n_pages} full pages of {self.layout.page_size} tokens need "
+                             f"{n_pages} envelopes, got {got}")
+        if swa is not None and len(swa) > n_pages:
+            raise ShapeError(f"swa: at most {n_pages} envelopes (one per page), got {len(swa)}")
+        if state is not None:
+            if len(state) != 1:
+                raise ShapeError(f"state: one checkpoint per insert, got {len(state)}")
+            if n_tokens != n_pages * self.layout.page_size or n_pages == 0:
+                raise ShapeError(f"state: a checkpoint needs a page-aligned prefix; {n_tokens} "
+                                 f"tokens is not a positive multiple of {self.layout.page_size}")
+
+    def _check_ids(self, kind: str, ids: torch.Tensor, path: list[Segment],
+                   n_pages: int) -> None:
+        """Given ids must be live and not already cached elsewhere."""
+        ids_t = self._ids(kind, ids)
+        if ids_t.unique().numel() != ids_t.numel():
+            raise ShapeError(f"{kind}: repeated ids")
+        if kind == "state":
+            cached_here = {path[-1].node.state} if path and path[-1].pages == len(
+                path[-1].node.keys) else set()
+        else:
+            offset = n_pages - len(ids_t)
+            cached_here = set()
+            pos = 0
+            for seg in path:
+                col = getattr(seg.node, kind)[: seg.pages]
+                cached_here.update(v for j, v in enumerate(col)
+                                   if pos + j >= offset and v == int(ids_t[pos + j - offset]))
+                pos += seg.pages
+        stolen = self._owned[kind].intersection(ids_t.tolist()) - cached_here
+        if stolen:
+            raise ShapeError(f"{kind}: {len(stolen)} ids already belong to other cached pages")
+
+    def _bytes_demand(self, given: dict[str, torch.Tensor | None], path: list[Segment],
+                      n_pages: int, cached: int) -> dict[str, int]:
+        """Fresh blocks needed per kind given as bytes (0: everything given is cached)."""
+        need = {}
+        for kind, blocks in given.items():
+            if blocks is None or blocks.dtype != torch.uint8:
+                continue
+            if kind == "state":
+                last = path[-1] if path else None
+                at_end = (cached == n_pages and last is not None
+                          and last.pages == len(last.node.keys) and last.node.state >= 0)
+                need[kind] = 0 if at_end else 1
+            else:
+                need[kind] = max(0, len(blocks) - max(0, cached - (n_pages - len(blocks))))
+        return need
+
+    def _store_bytes(self, kind: str, data: torch.Tensor, n_pages: int, cached: int
+                     ) -> torch.Tensor:
+        """Write envelopes of not-yet-cached pages into fresh blocks; ids (-1 for cached)."""
+        first = n_pages - len(data) if kind != "state" else 0
+        skip = max(0, cached - first) if kind != "state" else 0
+        ids = self.arena.alloc(kind, len(data) - skip)
+        assert ids is not None, f"{kind}: room was made for {len(data) - skip} blocks"
+        self.arena.write(kind, ids, data[skip:].to(self.arena.device))
+        self._outstanding[kind] += ids.numel()
+        return torch.cat([torch.full((skip,), -1, dtype=torch.long), ids])
+
+
+def _cut(path: list[Segment], pages: int) -> list[Segment]:
+    """The first ``pages`` pages of ``path``."""
+    out, left = [], pages
+    for seg in path:
+        if left <= 0:
+            break
+        out.append(Segment(seg.node, min(seg.pages, left)))
+        left -= seg.pages
+    return out
+
+
+def _padded(ids: torch.Tensor | None, n_pages: int) -> list[int]:
+    """Per-page ids for pages ``[0, n_pages)``; given ids cover the trailing pages."""
+    if ids is None:
+        return [-1] * n_pages
+    return [-1] * (n_pages - len(ids)) + [int(i) for i in ids]
