@@ -47,6 +47,8 @@ class Arena:
         *,
         pin_memory: bool = False,
     ) -> None:
+        """``device="meta"`` builds an accounting-only arena (no bytes; reads and writes are
+        shape-only), for capacity studies at real sizes."""
         if capacity_bytes <= 0 or capacity_bytes % ALIGN:
             raise ArenaError(
                 f"capacity_bytes must be a positive multiple of {ALIGN}, got {capacity_bytes}"
@@ -159,7 +161,7 @@ class Arena:
             raise ArenaError(f"page_size must be >= 1, got {page_size}")
         ids = self._ids(p, ids, check=sink is None)
         table = self._device_table(p)
-        return kernels.remap(table, ids.to(self.device), sink=-1 if sink is None else sink,
+        return kernels.remap(table, ids.to(table.device), sink=-1 if sink is None else sink,
                              page_size=page_size)
 
     def read(self, pool: str, ids: IdsLike) -> torch.Tensor:
@@ -302,7 +304,7 @@ class Arena:
         if bool(bad.any()):
             raise ArenaError(f"pool {p.name!r}: {int(bad.sum())} of {t.numel()} ids outside "
                              f"[0, {p.max_slots}), first {int(t[bad][0])}")
-        if t.unique().numel() != t.numel():
+        if t.numel() > 1 and t.unique().numel() != t.numel():
             raise ArenaError(f"pool {p.name!r}: {t.numel() - t.unique().numel()} repeated ids")
         dead = p.loc[t] < 0
         if bool(dead.any()):
@@ -457,7 +459,7 @@ class Arena:
         return view
 
     def _device_table(self, p: Pool) -> torch.Tensor:
-        if self.device.type == "cpu":
+        if self.device.type in ("cpu", "meta"):  # meta: accounting only, tables stay on CPU
             return p.loc
         version = p.version
         cached = self._device_tables.get(p.name)

@@ -38,6 +38,7 @@ class Pool:
         self.num_pending = 0
         self.moves = 0
         self.version = 0  # bumped whenever `loc` changes (device mirrors re-copy)
+        self.fenced_refs = 0  # (slot, fence) pairs pending: 0 lets hot paths skip fence checks
 
     # ----------------------------------------------------------------- queries
     @property
@@ -61,7 +62,8 @@ class Pool:
 
     def occupied(self, lo: int, hi: int) -> torch.Tensor:
         """Mask over slots ``[lo, hi)``: live or pending (not reusable)."""
-        return (self.owner[lo:hi] >= 0) | self.fenced(lo, hi)
+        live = self.owner[lo:hi] >= 0
+        return live | self.fenced(lo, hi) if self.fenced_refs else live
 
     def holes(self) -> torch.Tensor:
         """Reusable slots of the band, nearest the anchor first."""
@@ -72,7 +74,7 @@ class Pool:
 
     def pins(self) -> tuple[int, int] | None:
         """Lowest and highest slot holding a fence (such slots cannot move), or None."""
-        if self.hi == self.lo:
+        if self.hi == self.lo or not self.fenced_refs:
             return None
         idx = torch.nonzero(self.fenced(self.lo, self.hi)).flatten()
         if idx.numel() == 0:
@@ -115,7 +117,8 @@ class Pool:
         self.num_free_ids += n
         self.num_live -= n
         self.version += 1
-        self.num_pending += int(self._fenced_at(slots).sum())
+        if self.fenced_refs:
+            self.num_pending += int(self._fenced_at(slots).sum())
         return slots
 
     def relink(self, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -124,7 +127,8 @@ class Pool:
         self.owner[dst] = ids
         self.owner[src] = -1
         self.loc[ids] = dst
-        self.num_pending += int(self._fenced_at(src).sum())
+        if self.fenced_refs:
+            self.num_pending += int(self._fenced_at(src).sum())
         self.moves += src.numel()
         self.version += 1
 
@@ -133,28 +137,44 @@ class Pool:
         counts = self.writers if write else self.readers
         before = self._fenced_at(slots) & (self.owner[slots] < 0)
         counts.index_add_(0, slots, torch.full_like(slots, delta, dtype=torch.int32))
+        self.fenced_refs += delta * slots.numel()
         after = self._fenced_at(slots) & (self.owner[slots] < 0)
         self.num_pending += int(after.sum()) - int(before.sum())
 
     def _fenced_at(self, slots: torch.Tensor) -> torch.Tensor:
+        if not self.fenced_refs:
+            return torch.zeros(slots.shape, dtype=torch.bool)
         return (self.readers[slots] > 0) | (self.writers[slots] > 0)
 
     def trim(self) -> None:
-        """Shrink the band from its inner edge(s) past slots that are free and unfenced."""
-        if self.hi == self.lo:
-            return
-        idx = torch.nonzero(self.occupied(self.lo, self.hi)).flatten()
-        if idx.numel() == 0:
-            if self.anchor == "high":
-                self.lo = self.hi
-            else:
-                self.hi = self.lo
-            return
-        first, last = int(idx[0]) + self.lo, int(idx[-1]) + self.lo
+        """Shrink the band from its inner edge(s) past slots that are free and unfenced.
+        Scans outward from each edge in growing chunks, so the usual case costs one small op."""
         if self.anchor != "high":
-            self.hi = last + 1
+            self.hi = self._last_occupied(self.lo, self.hi) + 1
         if self.anchor != "low":
-            self.lo = first
+            self.lo = self._first_occupied(self.lo, self.hi)
+
+    def _last_occupied(self, lo: int, hi: int) -> int:
+        """Highest occupied slot in ``[lo, hi)``, or ``lo - 1``."""
+        chunk = 8
+        while hi > lo:
+            start = max(lo, hi - chunk)
+            idx = torch.nonzero(self.occupied(start, hi)).flatten()
+            if idx.numel():
+                return start + int(idx[-1])
+            hi, chunk = start, chunk * 8
+        return lo - 1
+
+    def _first_occupied(self, lo: int, hi: int) -> int:
+        """Lowest occupied slot in ``[lo, hi)``, or ``hi``."""
+        chunk = 8
+        while lo < hi:
+            stop = min(hi, lo + chunk)
+            idx = torch.nonzero(self.occupied(lo, stop)).flatten()
+            if idx.numel():
+                return lo + int(idx[0])
+            lo, chunk = stop, chunk * 8
+        return hi
 
     # ------------------------------------------------------------- integrity
     def check(self) -> None:
@@ -177,6 +197,8 @@ class Pool:
                  f"{name}: negative fence count")
         pending = int((self.fenced(0, self.max_slots) & (self.owner < 0)).sum())
         _require(pending == self.num_pending, f"{name}: pending {self.num_pending} != {pending}")
+        refs = int(self.readers.sum() + self.writers.sum())
+        _require(refs == self.fenced_refs, f"{name}: {self.fenced_refs} fence refs != {refs}")
         free = self.free_ids[: self.num_free_ids]
         everything = torch.cat([free, live_ids]).sort().values
         _require(bool(torch.equal(everything, torch.arange(self.max_slots))),

@@ -1,0 +1,173 @@
+"""Arena: alloc/free ids/s, compaction copy bandwidth vs contiguous copy_, admitted concurrency.
+
+Admitted concurrency uses a real preset's envelope sizes on an accounting-only (meta) arena:
+requests arrive in a fixed seeded order and are admitted first-come-first-served until one does
+not fit. The unified arena is compared with a fixed state/KV split at its best ratio (searched on
+a 0.1% grid after the fact, i.e. with hindsight) and at a mis-set ratio (the best ratio for a
+different mix).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import time
+
+import torch
+
+from gpu_arena import Arena, PoolSpec
+from tierstore.bench._util import table
+from tierstore.layout import load_preset
+
+KiB = 1024
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="qwen3-next-80b-a3b", help="preset for concurrency")
+    parser.add_argument("--capacity-gib", type=float, default=40.0,
+                        help="arena size for the concurrency study")
+    parser.add_argument("--sizes-kib", default="16,64,256,1024",
+                        help="envelope sizes (KiB) for the compaction bandwidth")
+    parser.add_argument("--compact-mib", type=int, default=128,
+                        help="bytes moved per compaction round (MiB)")
+    parser.add_argument("--requests", type=int, default=5000, help="requests in each mix")
+    parser.add_argument("--quick", action="store_true", help="fewer repeats (for the demo)")
+
+
+# ---------------------------------------------------------------- alloc / free
+def _alloc_free(batch: int, rounds: int) -> float:
+    arena = Arena(1 << 24, [PoolSpec("kv", 256, "high"), PoolSpec("state", 1024, "low")])
+    arena.alloc("kv", 4096)  # a band with live blocks, like a warm cache
+    start = time.perf_counter()
+    for _ in range(rounds):
+        ids = arena.alloc("kv", batch)
+        assert ids is not None
+        arena.free("kv", ids)
+    return 2 * batch * rounds / (time.perf_counter() - start)
+
+
+# ---------------------------------------------------------------- compaction
+def _compaction(unit: int, total: int, repeat: int) -> dict[str, float]:
+    """``h = total / unit`` holes: 3h live blocks, every other one of the first 2h freed; a full
+    compact() then moves the last h blocks into the h holes (``total`` bytes, one batched copy).
+    Timed alternately with one contiguous ``copy_`` of ``total`` bytes between warm buffers."""
+    h = max(1, total // unit)
+    arena = Arena(unit * 3 * h, [PoolSpec("kv", unit, "low")])
+    src = torch.empty(h * unit, dtype=torch.uint8).random_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault the pages in before timing
+    arena.buffer.fill_(1)
+    compact_times, copy_times = [], []
+    for _ in range(repeat):
+        ids = arena.alloc("kv", 3 * h)
+        assert ids is not None
+        arena.free("kv", ids[0 : 2 * h : 2])
+        start = time.perf_counter()
+        moves = arena.compact()
+        compact_times.append(time.perf_counter() - start)
+        assert moves == h, f"expected {h} moves, got {moves}"
+        arena.free("kv", ids[1 : 2 * h : 2].tolist() + ids[2 * h :].tolist())
+        start = time.perf_counter()
+        dst.copy_(src)
+        copy_times.append(time.perf_counter() - start)
+    moved = h * unit
+    compact, copy = min(compact_times), min(copy_times)
+    return {"envelope_kib": unit / KiB, "moved_mib": moved / 2**20,
+            "compact_gbps": moved / compact / 1e9, "copy_gbps": moved / copy / 1e9,
+            "ratio": copy / compact}
+
+
+# ---------------------------------------------------------------- concurrency
+def _mix(n: int, long_share: float, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randint(16_384, 65_536) if rng.random() < long_share else rng.randint(256, 2048)
+            for _ in range(n)]
+
+
+def _admit_arena(lengths: list[int], capacity: int, state_unit: int, kv_unit: int,
+                 page: int) -> int:
+    arena = Arena(capacity, [PoolSpec("state", state_unit, "low"), PoolSpec("kv", kv_unit, "high")],
+                  device="meta")
+    for i, length in enumerate(lengths):
+        need = {"state": 1, "kv": math.ceil(length / page)}
+        if not arena.can_alloc(need):
+            return i
+        arena.alloc("state", 1)
+        arena.alloc("kv", need["kv"])
+    return len(lengths)
+
+
+def _admit_split(lengths: list[int], capacity: int, share: float, state_unit: int, kv_unit: int,
+                 page: int) -> int:
+    states = int(capacity * share) // state_unit
+    pages = (capacity - int(capacity * share)) // kv_unit
+    used = 0
+    for i, length in enumerate(lengths):
+        used += math.ceil(length / page)
+        if i + 1 > states or used > pages:
+            return i
+    return len(lengths)
+
+
+def _best_share(lengths: list[int], capacity: int, state_unit: int, kv_unit: int,
+                page: int) -> tuple[float, int]:
+    best = (0.0, -1)
+    for k in range(1, 1000):
+        admitted = _admit_split(lengths, capacity, k / 1000, state_unit, kv_unit, page)
+        if admitted > best[1]:
+            best = (k / 1000, admitted)
+    return best
+
+
+def _concurrency(args: argparse.Namespace) -> dict[str, object]:
+    layout = load_preset(args.model)
+    assert layout.kv is not None and layout.state is not None, "needs a kv + state preset"
+    capacity = int(args.capacity_gib * 2**30) // 256 * 256
+    su, ku, page = layout.state.nbytes, layout.kv.nbytes, layout.page_size
+    skewed = _mix(args.requests, 0.05, seed=1)  # many short requests, a few long ones
+    other = _mix(args.requests, 0.5, seed=2)  # the mix a fixed ratio might have been tuned for
+    best_share, best = _best_share(skewed, capacity, su, ku, page)
+    wrong_share, _ = _best_share(other, capacity, su, ku, page)
+    wrong = _admit_split(skewed, capacity, wrong_share, su, ku, page)
+    arena = _admit_arena(skewed, capacity, su, ku, page)
+    return {"model": args.model, "capacity_gib": args.capacity_gib, "state_unit_mib":
+            su / 2**20, "kv_page_mib": ku / 2**20, "arena": arena, "best_fixed": best,
+            "best_fixed_state_share": best_share, "misset_fixed": wrong,
+            "misset_state_share": wrong_share, "arena_vs_best": arena / best,
+            "arena_vs_misset": arena / max(wrong, 1)}
+
+
+def run(args: argparse.Namespace) -> dict:
+    repeat = 2 if args.quick else 5
+    rounds = 200 if args.quick else 2000
+    sizes = [int(s) * KiB for s in str(args.sizes_kib).split(",")]
+    return {
+        "alloc_free_single_ids_per_s": _alloc_free(1, rounds),
+        "alloc_free_batch1k_ids_per_s": _alloc_free(1000, max(20, rounds // 20)),
+        "compaction": [_compaction(u, args.compact_mib * 2**20, repeat) for u in sizes],
+        "concurrency": _concurrency(args),
+        "torch": torch.__version__, "threads": torch.get_num_threads(),
+    }
+
+
+def render(result: dict) -> str:
+    c = result["concurrency"]
+    lines = [
+        f"alloc+free, single id:  {result['alloc_free_single_ids_per_s']:,.0f} ids/s",
+        f"alloc+free, 1k batch:   {result['alloc_free_batch1k_ids_per_s']:,.0f} ids/s",
+        "",
+        "compaction copy bandwidth vs one contiguous copy_ of the same bytes:",
+        table(result["compaction"], ["envelope_kib", "moved_mib", "compact_gbps", "copy_gbps",
+                                     "ratio"]),
+        "",
+        f"admitted concurrency, {c['model']} ({c['state_unit_mib']:.1f} MiB state, "
+        f"{c['kv_page_mib']:.2f} MiB KV page), {c['capacity_gib']} GiB, 5% long requests:",
+        f"  unified arena          {c['arena']}",
+        f"  best fixed split       {c['best_fixed']}  (state share {c['best_fixed_state_share']:.1%}"
+        f", chosen with hindsight)  arena/best = {c['arena_vs_best']:.3f}",
+        f"  mis-set fixed split    {c['misset_fixed']}  (state share "
+        f"{c['misset_state_share']:.1%}, best for a 50%-long mix)  arena/mis-set = "
+        f"{c['arena_vs_misset']:.2f}",
+    ]
+    return "\n".join(lines)
