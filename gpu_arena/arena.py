@@ -429,9 +429,10 @@ class Arena:
     def _move(self, p: Pool, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy blocks ``src`` -> ``dst`` (one batched copy) and relink their ids."""
         device = self.device
-        kernels.strided_copy(self._buf, self._buf, src.to(device), dst.to(device), nbytes=p.unit,
-                             src_stride=p.unit, dst_stride=p.unit, src_offset=p.origin,
-                             dst_offset=p.origin)
+        if device.type != "meta":  # an accounting-only arena has no bytes to move
+            kernels.strided_copy(self._buf, self._buf, src.to(device), dst.to(device),
+                                 nbytes=p.unit, src_stride=p.unit, dst_stride=p.unit,
+                                 src_offset=p.origin, dst_offset=p.origin)
         p.relink(src, dst)
 
     def _retire(self) -> None:

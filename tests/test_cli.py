@@ -1,0 +1,37 @@
+"""The CLI: every benchmark runs with small parameters and ends with one JSON object."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tierstore.cli import main
+
+
+def last_json(capsys: pytest.CaptureFixture[str]) -> dict:
+    out = capsys.readouterr().out.strip().splitlines()
+    return json.loads(out[-1])
+
+
+def test_bench_retention_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "retention", "--prefixes", "10", "--json"]) == 0
+    result = last_json(capsys)
+    one = {r["rule"]: r for r in result["rows"] if r["allocation"] == "one"}
+    assert one["unified"]["retained"] > one["per_kind"]["retained"]
+    assert one["unified"]["evictions"] < one["per_kind"]["evictions"]
+    assert result["one_allocation"]["retained_ratio"] > 1
+
+
+def test_bench_arena_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "arena", "--quick", "--sizes-kib", "16", "--compact-mib", "1",
+                 "--requests", "300", "--capacity-gib", "4", "--json"]) == 0
+    result = last_json(capsys)
+    c = result["concurrency"]
+    assert c["arena"] >= c["best_fixed"] * 0.98 and c["arena"] >= c["misset_fixed"]
+    assert result["compaction"][0]["moved_mib"] == 1
+
+
+def test_demo_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo"]) == 0
+    assert "logits identical: True" in capsys.readouterr().out
