@@ -23,7 +23,8 @@ def _defaults(module: object) -> argparse.Namespace:
 def _reference_model() -> str:
     store = TierStore(tiny_layout(), StoreConfig(capacity_bytes=1 << 20))
     model = ReferenceModel(store, seed=0)
-    prompt = [int(t) for t in torch.randint(0, 97, (61,), generator=torch.Generator().manual_seed(0))]
+    generator = torch.Generator().manual_seed(0)
+    prompt = [int(t) for t in torch.randint(0, 97, (61,), generator=generator)]
     t0 = time.perf_counter()
     cold = model.generate(prompt, 8)
     t1 = time.perf_counter()

@@ -164,8 +164,9 @@ def render(result: dict) -> str:
         f"admitted concurrency, {c['model']} ({c['state_unit_mib']:.1f} MiB state, "
         f"{c['kv_page_mib']:.2f} MiB KV page), {c['capacity_gib']} GiB, 5% long requests:",
         f"  unified arena          {c['arena']}",
-        f"  best fixed split       {c['best_fixed']}  (state share {c['best_fixed_state_share']:.1%}"
-        f", chosen with hindsight)  arena/best = {c['arena_vs_best']:.3f}",
+        f"  best fixed split       {c['best_fixed']}  (state share "
+        f"{c['best_fixed_state_share']:.1%}, chosen with hindsight)  arena/best = "
+        f"{c['arena_vs_best']:.3f}",
         f"  mis-set fixed split    {c['misset_fixed']}  (state share "
         f"{c['misset_state_share']:.1%}, best for a 50%-long mix)  arena/mis-set = "
         f"{c['arena_vs_misset']:.2f}",

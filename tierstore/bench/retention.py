@@ -93,7 +93,8 @@ def _scenario(args: argparse.Namespace, layout: ModelLayout, capacity: int, rule
     reused = sum(cached)
     seconds = recomputed / args.prefill_tok_s + reused * args.reuse_us_per_token * 1e-6
     store.check_integrity()
-    return {"rule": rule, "allocation": "one" if chunk >= args.long_tokens else f"chunks of {chunk}",
+    shape = "one" if chunk >= args.long_tokens else f"chunks of {chunk}"
+    return {"rule": rule, "allocation": shape,
             "retained": retained, "evictions": evictions, "recomputed_tokens": recomputed,
             "repeat_seconds": seconds}
 
