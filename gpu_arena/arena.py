@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -210,22 +211,56 @@ class Arena:
         return typed.as_strided((p.max_slots, *shape), (p.unit // itemsize, *strides),
                                 (p.origin + offset) // itemsize)
 
-    def fence(self, pool: str, ids: IdsLike, mode: FenceMode) -> Fence:
+    def fence(self, pool: str, ids: IdsLike, mode: FenceMode, *,
+              event: torch.cuda.Event | None = None) -> Fence:
         """Register an in-flight ``read`` or ``write`` of live blocks. On CUDA it records an event
         on the current stream (call it after enqueueing the work); on CPU the worker calls
-        :meth:`Fence.complete`. Until then the blocks do not move and freed slots stay pending."""
+        :meth:`Fence.complete`; ``event`` ties the fence to work already recorded elsewhere.
+        Until then the blocks do not move and freed slots stay pending."""
         if mode not in ("read", "write"):
             raise ArenaError(f"fence mode must be 'read' or 'write', got {mode!r}")
         p = self._pool(pool)
         slots = p.loc[self._ids(p, ids)]
-        event = None
-        if self.device.type == "cuda":
+        if event is None and self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
         p.add_fence(slots, mode == "write", +1)
         fence = Fence(p.name, slots, mode, event)
         self._fences.append(fence)
         return fence
+
+    def copy_to(
+        self, pool: str, ids: IdsLike, dest: Arena, dest_ids: IdsLike,
+        stream: torch.cuda.Stream | None = None,
+    ) -> tuple[Fence, Fence] | None:
+        """Copy live blocks of ``pool`` into live blocks of the same pool of ``dest`` (another
+        arena, e.g. device <-> host) in one batched copy. With a CUDA buffer on either side the
+        copy is enqueued on ``stream`` (default: the current stream) and a read fence on the
+        source and a write fence on the destination are returned; the caller waits on either
+        before trusting the destination. On CPU it completes before returning (None)."""
+        p, q = self._pool(pool), dest._pool(pool)
+        if p.unit != q.unit:
+            raise ArenaError(f"pool {pool!r}: units differ ({p.unit} vs {q.unit} bytes)")
+        src_ids, dst_ids = self._ids(p, ids), dest._ids(q, dest_ids)
+        if src_ids.numel() != dst_ids.numel():
+            raise ArenaError(f"pool {pool!r}: {src_ids.numel()} source ids, "
+                             f"{dst_ids.numel()} destination ids")
+        if src_ids.numel() == 0 or "meta" in (self.device.type, dest.device.type):
+            return None
+        on_cuda = "cuda" in (self.device.type, dest.device.type)
+        copy_device = self.device if self.device.type == "cuda" else dest.device
+        context = torch.cuda.stream(stream) if on_cuda and stream is not None else nullcontext()
+        with context:
+            kernels.strided_copy(self._buf, dest._buf, p.loc[src_ids].to(copy_device),
+                                 q.loc[dst_ids].to(copy_device), nbytes=p.unit,
+                                 src_stride=p.unit, dst_stride=q.unit, src_offset=p.origin,
+                                 dst_offset=q.origin)
+            if not on_cuda:
+                return None
+            event = torch.cuda.Event()
+            event.record()
+            return (self.fence(pool, src_ids, "read", event=event),
+                    dest.fence(pool, dst_ids, "write", event=event))
 
     def compact(self, max_moves: int | None = None) -> int:
         """Close holes by moving blocks from each band's inner edge into holes nearer its anchor

@@ -27,6 +27,11 @@ class Fence:
         self._event = event
         self._flag = threading.Event()
 
+    @property
+    def event(self) -> torch.cuda.Event | None:
+        """The CUDA event behind the fence (None for a CPU fence)."""
+        return self._event
+
     def done(self) -> bool:
         """True once the work behind the fence has finished."""
         if self._event is not None:

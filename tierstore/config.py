@@ -5,10 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from remote_tier import RemoteTierConfig
 from tierstore.eviction import POLICIES, PolicyName, StopRule
 from tierstore.hashing import HashName
 
 SwaRetention = Literal["auto", "all", "window"]
+WritePolicy = Literal["write_back", "write_through", "write_through_selective"]
+Prefetch = Literal["wait", "timeout", "best_effort"]
 
 
 @dataclass(frozen=True)
@@ -18,6 +21,12 @@ class StoreConfig:
     ``swa_retention``: ``window`` keeps only the SWA pages inside the window before a state
     checkpoint (the only place a hybrid match can end); ``all`` keeps every SWA page (models
     without recurrent state can match at any page); ``auto`` picks by the layout.
+
+    Tiers: ``host_capacity_bytes > 0`` adds L2 (host memory); ``remote`` adds L3 (Redis).
+    ``write_policy``: ``write_back`` copies down only on eviction, ``write_through`` on insert,
+    ``write_through_selective`` once a prefix has ``write_through_hits`` hits. ``prefetch`` is
+    how a match waits for L3: ``wait`` (up to the Redis op timeout), ``timeout`` (up to
+    ``prefetch_timeout_s``, then serve what is in L1/L2), ``best_effort`` (never block on L3).
     """
 
     capacity_bytes: int
@@ -27,6 +36,12 @@ class StoreConfig:
     hash_algorithm: HashName = "sha256"
     swa_retention: SwaRetention = "auto"
     max_tokens: int = 1 << 20
+    host_capacity_bytes: int = 0
+    remote: RemoteTierConfig | None = None
+    write_policy: WritePolicy = "write_back"
+    write_through_hits: int = 2
+    prefetch: Prefetch = "wait"
+    prefetch_timeout_s: float = 0.05
 
     def __post_init__(self) -> None:
         if self.capacity_bytes <= 0:
@@ -42,3 +57,15 @@ class StoreConfig:
             raise ValueError(f"swa_retention must be auto/all/window, got {self.swa_retention!r}")
         if self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be positive, got {self.max_tokens}")
+        if self.host_capacity_bytes < 0:
+            raise ValueError(f"host_capacity_bytes must be >= 0, got {self.host_capacity_bytes}")
+        if self.write_policy not in ("write_back", "write_through", "write_through_selective"):
+            raise ValueError(f"write_policy must be write_back / write_through / "
+                             f"write_through_selective, got {self.write_policy!r}")
+        if self.write_through_hits < 1:
+            raise ValueError(f"write_through_hits must be >= 1, got {self.write_through_hits}")
+        if self.prefetch not in ("wait", "timeout", "best_effort"):
+            raise ValueError(f"prefetch must be wait / timeout / best_effort, got "
+                             f"{self.prefetch!r}")
+        if not self.prefetch_timeout_s > 0:
+            raise ValueError(f"prefetch_timeout_s must be > 0, got {self.prefetch_timeout_s}")

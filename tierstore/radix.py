@@ -1,10 +1,11 @@
 """Radix prefix index at page granularity.
 
-A node owns a run of pages (chained page keys) and, per page, the L1 virtual ids of its ``kv``
-and ``swa`` envelopes (-1: absent; an absent ``swa`` page beside a present ``kv`` page is a
-*tombstone*). A recurrent-state checkpoint exists only at a node's end. Locks propagate to the
-root, so a locked node's ancestors are locked too. The index only records ids; it never frees or
-copies blocks: the store decides what to do with the ids it gets back.
+A node owns a run of pages (chained page keys) and, per page and per tier, where its ``kv`` and
+``swa`` envelopes live: L1 and L2 virtual ids (-1: absent), and for L3 a presence flag (1 / -1;
+the Redis key derives from the page key). An absent ``swa`` page beside a present ``kv`` page is
+a *tombstone*. A recurrent-state checkpoint exists only at a node's end, again per tier. Locks
+propagate to the root, so a locked node's ancestors are locked too. The index only records
+where things are; it never frees or copies blocks: the store decides.
 """
 
 from __future__ import annotations
@@ -17,6 +18,11 @@ from gpu_arena import IntegrityError
 
 _serial = itertools.count()
 
+PAGE_KINDS = ("kv", "swa")
+TIERS = (1, 2, 3)
+# Per-page columns: L1 ids keep the short names.
+COLUMNS = tuple(k if t == 1 else f"{k}{t}" for t in TIERS for k in PAGE_KINDS)
+
 
 @dataclass(eq=False)
 class Node:
@@ -25,9 +31,15 @@ class Node:
     parent: Node | None
     depth: int
     keys: list[bytes] = field(default_factory=list)
-    kv: list[int] = field(default_factory=list)
+    kv: list[int] = field(default_factory=list)  # L1 ids
     swa: list[int] = field(default_factory=list)
-    state: int = -1  # L1 id of the checkpoint at this node's end, -1 when none
+    kv2: list[int] = field(default_factory=list)  # L2 ids
+    swa2: list[int] = field(default_factory=list)
+    kv3: list[int] = field(default_factory=list)  # L3: 1 present, -1 absent
+    swa3: list[int] = field(default_factory=list)
+    state: int = -1  # checkpoint at this node's end: L1 id, -1 when none
+    state2: int = -1  # L2 id
+    state3: int = -1  # L3: 1 present
     children: dict[bytes, Node] = field(default_factory=dict)
     lock: int = 0
     last_use: float = 0.0
@@ -42,6 +54,25 @@ class Node:
 
     def is_leaf(self) -> bool:
         return not self.children and self.parent is not None
+
+    def col(self, kind: str, tier: int) -> list[int]:
+        """Per-page column of ``kind`` ("kv" / "swa") in ``tier`` (1, 2, 3)."""
+        return getattr(self, kind if tier == 1 else f"{kind}{tier}")  # type: ignore[no-any-return,unused-ignore]
+
+    def checkpoint(self, tier: int) -> int:
+        """The checkpoint entry at this node's end in ``tier`` (-1: none)."""
+        return self.state if tier == 1 else self.state2 if tier == 2 else self.state3
+
+    def set_checkpoint(self, tier: int, value: int) -> None:
+        setattr(self, "state" if tier == 1 else f"state{tier}", value)
+
+    def holds(self, tier: int) -> bool:
+        """Whether anything of this node lives in ``tier``."""
+        return self.checkpoint(tier) >= 0 or any(
+            v >= 0 for kind in PAGE_KINDS for v in self.col(kind, tier))
+
+    def holds_any(self) -> bool:
+        return any(self.holds(t) for t in TIERS)
 
 
 @dataclass(frozen=True)
@@ -88,11 +119,14 @@ class RadixIndex:
         assert 0 < pages < len(node.keys), f"split at {pages} of {len(node.keys)} pages"
         parent = node.parent
         assert parent is not None
-        upper = Node(parent=parent, depth=node.depth, keys=node.keys[:pages], kv=node.kv[:pages],
-                     swa=node.swa[:pages], lock=node.lock, last_use=node.last_use,
-                     hits=node.hits, priority=node.priority)
+        upper = Node(parent=parent, depth=node.depth, keys=node.keys[:pages], lock=node.lock,
+                     last_use=node.last_use, hits=node.hits, priority=node.priority)
+        for name in COLUMNS:
+            column = getattr(node, name)
+            setattr(upper, name, column[:pages])
+            setattr(node, name, column[pages:])
         parent.children[upper.keys[0]] = upper
-        node.keys, node.kv, node.swa = node.keys[pages:], node.kv[pages:], node.swa[pages:]
+        node.keys = node.keys[pages:]
         node.depth += pages
         node.parent = upper
         upper.children[node.keys[0]] = node
@@ -109,12 +143,17 @@ class RadixIndex:
             return self.split(last.node, last.pages)
         return last.node
 
-    def extend(self, parent: Node, keys: list[bytes], kv: list[int], swa: list[int]) -> Node:
-        """Hang a new leaf with ``keys`` under ``parent`` (which has no child for keys[0])."""
+    def extend(self, parent: Node, keys: list[bytes], **columns: list[int]) -> Node:
+        """Hang a new leaf with ``keys`` under ``parent`` (which has no child for keys[0]);
+        ``columns`` (e.g. ``kv=[...]``) default to absent."""
         assert keys and keys[0] not in parent.children, "extend needs a fresh branch"
-        assert len(keys) == len(kv) == len(swa)
-        leaf = Node(parent=parent, depth=parent.end, keys=list(keys), kv=list(kv), swa=list(swa),
+        leaf = Node(parent=parent, depth=parent.end, keys=list(keys),
                     last_use=parent.last_use, priority=parent.priority)
+        for name in COLUMNS:
+            values = columns.pop(name, None)
+            assert values is None or len(values) == len(keys), f"{name}: length differs"
+            setattr(leaf, name, list(values) if values is not None else [-1] * len(keys))
+        assert not columns, f"unknown columns {sorted(columns)}"
         parent.children[keys[0]] = leaf
         self.num_nodes += 1
         self.num_pages += len(keys)
@@ -138,12 +177,12 @@ class RadixIndex:
             assert n.lock >= 0, "lock count went negative"
             n = n.parent
 
-    def touch(self, node: Node, now: float, priority: int) -> None:
-        """Record a use of the path ending at ``node``."""
+    def touch(self, node: Node, now: float, priority: int, *, hit: bool) -> None:
+        """Record a use of the path ending at ``node`` (a ``hit`` when a match served it)."""
         n: Node | None = node
         while n is not None and n is not self.root:
             n.last_use = now
-            n.hits += 1
+            n.hits += int(hit)
             n.priority = priority
             n = n.parent
 
@@ -176,8 +215,8 @@ class RadixIndex:
                      "node not linked from its parent under its first key")
             assert parent is not None
             _require(n.depth == parent.end, f"depth {n.depth} != parent end {parent.end}")
-            _require(len(n.keys) == len(n.kv) == len(n.swa) > 0,
-                     f"node arrays differ: {len(n.keys)}/{len(n.kv)}/{len(n.swa)}")
+            _require(len(n.keys) > 0 and all(len(getattr(n, c)) == len(n.keys) for c in COLUMNS),
+                     f"node of {len(n.keys)} pages has columns of other lengths")
             _require(n.lock >= 0 and all(n.lock >= c.lock for c in n.children.values()),
                      "a child holds more locks than its parent")
             _require(all(k == c.keys[0] for k, c in n.children.items()), "child keyed wrongly")

@@ -79,6 +79,11 @@ class StoreStats:
     pages: int
     arena: ArenaStats
     rule: str = field(default="unified")
+    hit_tokens: dict[str, int] = field(default_factory=dict)  # per tier: l1, l2, l3
+    hit_requests: dict[str, int] = field(default_factory=dict)  # deepest tier used, or miss
+    moved_bytes: dict[str, int] = field(default_factory=dict)  # per direction, e.g. l1_to_l2
+    host: ArenaStats | None = None
+    remote: dict[str, object] | None = None
 
     @property
     def hit_rate(self) -> float:

@@ -9,12 +9,15 @@ import numpy as np
 import torch
 
 from gpu_arena import Arena, ArenaError, IntegrityError, PoolSpec
+from host_tier import HostTier
 from tierstore.config import StoreConfig
 from tierstore.errors import LeaseError, ShapeError, TokenError
-from tierstore.eviction import StopCondition, make_policy, victims
+from tierstore.eviction import make_policy
 from tierstore.hashing import PageHasher, as_tokens, check_namespace
 from tierstore.layout import ModelLayout
+from tierstore.movement import DIRECTIONS, TierMovement
 from tierstore.radix import Node, RadixIndex, Segment
+from tierstore.remote import RemoteBridge
 from tierstore.results import Allocation, InsertResult, Lease, MatchResult, StoreStats
 
 log = logging.getLogger(__name__)
@@ -25,8 +28,9 @@ _EMPTY = torch.empty(0, dtype=torch.long)
 Blocks = torch.Tensor | Sequence[int] | None
 
 
-class TierStore:
-    """A prefix cache for one model layout over one unified arena.
+class TierStore(TierMovement):
+    """A prefix cache for one model layout over one unified arena (L1), optionally backed by
+    host memory (L2) and Redis (L3).
 
     Engines call :meth:`match` when a request arrives (and hold the lease while reading the
     prefix), :meth:`allocate` for the blocks the request computes (evicting cached prefixes as
@@ -42,6 +46,9 @@ class TierStore:
         self.kinds = tuple(k for k in KINDS if k in envelopes)
         pools = [PoolSpec(k, envelopes[k].nbytes, _ANCHOR[k]) for k in self.kinds]  # type: ignore[arg-type]
         self.arena = Arena(config.capacity_bytes, pools, config.device)
+        self.host = HostTier(config.host_capacity_bytes, pools) \
+            if config.host_capacity_bytes else None
+        self.remote = RemoteBridge(config.remote, layout.fingerprint) if config.remote else None
         self.index = RadixIndex()
         self.hasher = PageHasher(layout.name, layout.fingerprint, layout.page_size,
                                  config.hash_algorithm)
@@ -56,68 +63,154 @@ class TierStore:
         self._requests = self._requests_hit = self._tokens_queried = self._tokens_hit = 0
         self._evictions = 0
         self._evicted = dict.fromkeys(self.kinds, 0)
+        self._moved = dict.fromkeys(DIRECTIONS, 0)
+        self._pending = []
+        self._hit_tokens = {"l1": 0, "l2": 0, "l3": 0}
+        self._hit_requests = {"l1": 0, "l2": 0, "l3": 0, "miss": 0}
+
+    def close(self) -> None:
+        """Stop the L3 connection thread (the arenas need no closing)."""
+        if self.remote is not None:
+            self.remote.close()
+
+    def __enter__(self) -> TierStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # ================================================================== lookup
     def match(self, tokens: object, namespace: str = "default", *, priority: int = 0
               ) -> MatchResult:
-        """The longest usable cached prefix of ``tokens``; locks it with a lease when non-empty.
+        """The longest usable cached prefix of ``tokens``, brought into L1 and locked with a
+        lease (when non-empty).
 
-        A prefix of P pages is usable when its KV pages are present, a state checkpoint sits at
-        exactly P (models with recurrent layers), and the SWA pages of the window before P are
-        present (models with SWA layers)."""
+        A prefix of P pages is usable when its KV pages are present in some tier, a state
+        checkpoint sits at exactly P (models with recurrent layers), and the SWA pages of the
+        window before P are present (models with SWA layers). Parts in L2/L3 are promoted into
+        L1, evicting per the stopping rule; if they cannot be, the result falls back to what L1
+        alone serves."""
         toks = self._tokens(tokens)
         keys = self.hasher.pages(toks, check_namespace(namespace))
-        path = self.index.walk(keys)
-        kv: list[int] = []
-        swa: list[int] = []
-        for seg in path:
-            kv += seg.node.kv[: seg.pages]
-            swa += seg.node.swa[: seg.pages]
-        found = next((i for i, v in enumerate(kv) if v < 0), len(kv))
-        pages = self._usable(path, found, swa)
+        self._pump()
+        best_effort = self.config.prefetch == "best_effort"
+        if self.remote is not None and not best_effort:
+            self._discover(keys)
         self._requests += 1
         self._tokens_queried += len(toks)
-        if pages == 0:
-            return MatchResult(0, 0, _EMPTY, _EMPTY, None, None, found)
-        node = self.index.node_ending_at(_cut(path, pages))
-        self.index.lock(node, +1)
-        self._touch(node, priority)
-        self._requests_hit += 1
-        tokens_hit = pages * self.layout.page_size
-        self._tokens_hit += tokens_hit
-        state = node.state if self.layout.state is not None else None
-        return MatchResult(tokens_hit, pages, torch.tensor(kv[:pages], dtype=torch.long),
-                           torch.tensor(swa[:pages], dtype=torch.long), state,
-                           Lease(node, self), found)
+        tiers: tuple[int, ...] = (1, 2) if best_effort else (1, 2, 3)
+        if best_effort and self.remote is not None:
+            deeper = self._usable(self.index.walk(keys), (1, 2, 3))[0]
+            if deeper > self._usable(self.index.walk(keys), tiers)[0]:
+                self._prefetch(keys, deeper)
+        timeout = self.config.prefetch_timeout_s if self.config.prefetch == "timeout" else None
+        for _ in range(4):
+            path = self.index.walk(keys)
+            pages, found = self._usable(path, tiers)
+            if pages == 0:
+                break
+            node = self.index.node_ending_at(_cut(path, pages))
+            self.index.lock(node, +1)
+            path = self.index.walk(keys[:pages])
+            status, sources = self._promote(path, pages, timeout)
+            if status == "ok":
+                return self._hit(node, path, pages, found, sources, priority)
+            self.index.lock(node, -1)
+            if status == "no_room":  # L1 cannot take the lower tiers' part: serve L1 alone
+                tiers = (1,)
+            elif status == "unavailable":  # Redis is down or slow: serve L1 + L2 this time
+                tiers = (1, 2)
+            # "partial": entries missing in L3 are now marked absent there; plan again
+        self._hit_requests["miss"] += 1
+        _, found = self._usable(self.index.walk(keys), tiers)
+        return MatchResult(0, 0, _EMPTY, _EMPTY, None, None, found)
 
-    def peek(self, tokens: object, namespace: str = "default") -> int:
-        """Tokens of ``tokens`` that :meth:`match` would serve now. Changes nothing: no lease,
-        no use recorded, no counters."""
-        toks = self._tokens(tokens)
-        path = self.index.walk(self.hasher.pages(toks, check_namespace(namespace)))
+    def _hit(self, node: Node, path: list[Segment], pages: int, found: int,
+             sources: dict[int, int], priority: int) -> MatchResult:
+        """Build the result of a promoted, locked prefix and count it per tier."""
+        self._touch(node, priority, hit=True)
+        page = self.layout.page_size
+        self._requests_hit += 1
+        self._tokens_hit += pages * page
+        for tier in (1, 2, 3):
+            self._hit_tokens[f"l{tier}"] += sources[tier] * page
+        deepest = 3 if sources[3] else 2 if sources[2] else 1
+        self._hit_requests[f"l{deepest}"] += 1
+        if self.config.write_policy == "write_through_selective":
+            for n in self.index.path_to(node):
+                if n.hits == self.config.write_through_hits:
+                    self._backup(n)
         kv = [v for seg in path for v in seg.node.kv[: seg.pages]]
         swa = [v for seg in path for v in seg.node.swa[: seg.pages]]
-        found = next((i for i, v in enumerate(kv) if v < 0), len(kv))
-        return self._usable(path, found, swa) * self.layout.page_size
+        state = node.state if self.layout.state is not None else None
+        return MatchResult(pages * page, pages, torch.tensor(kv, dtype=torch.long),
+                           torch.tensor(swa, dtype=torch.long), state, Lease(node, self), found)
 
-    def _usable(self, path: list[Segment], found: int, swa: list[int]) -> int:
-        """Deepest prefix length (pages) the hybrid match rule accepts."""
+    def peek(self, tokens: object, namespace: str = "default", *, tiers: tuple[int, ...] = (1,)
+             ) -> int:
+        """Tokens of ``tokens`` that are cached now in ``tiers`` (default L1 only) under the
+        hybrid rule. Changes nothing: no lease, no promotion, no use recorded, no counters."""
+        toks = self._tokens(tokens)
+        path = self.index.walk(self.hasher.pages(toks, check_namespace(namespace)))
+        return self._usable(path, tiers)[0] * self.layout.page_size
+
+    def _usable(self, path: list[Segment], tiers: tuple[int, ...]) -> tuple[int, int]:
+        """Deepest prefix length (pages) the hybrid match rule accepts, and the consecutive KV
+        pages present; an entry counts as present when one of ``tiers`` holds it."""
+        def present(values: list[list[int]]) -> list[bool]:
+            return [any(v >= 0 for v in vs) for vs in zip(*values, strict=True)]
+
+        kv = [p for seg in path for p in present(
+            [seg.node.col("kv", t)[: seg.pages] for t in tiers])]
+        found = next((i for i, ok in enumerate(kv) if not ok), len(kv))
+        swa = [p for seg in path for p in present(
+            [seg.node.col("swa", t)[: seg.pages] for t in tiers])]
         window = self.layout.swa_window_pages()
 
         def window_ok(end: int) -> bool:
-            return self.layout.swa is None or all(s >= 0 for s in swa[max(0, end - window):end])
+            return self.layout.swa is None or all(swa[max(0, end - window):end])
 
         if self.layout.state is not None:
             for seg in reversed(path):
                 n = seg.node
-                if seg.pages == len(n.keys) and n.state >= 0 and n.end <= found \
-                        and window_ok(n.end):
-                    return n.end
-            return 0
+                if (seg.pages == len(n.keys) and any(n.checkpoint(t) >= 0 for t in tiers)
+                        and n.end <= found and window_ok(n.end)):
+                    return n.end, found
+            return 0, found
         end = found
         while end > 0 and not window_ok(end):
             end -= 1
-        return end
+        return end, found
+
+    def _discover(self, keys: list[bytes]) -> None:
+        """Learn pages that L3 holds beyond what the index knows (written by another instance
+        or before a restart) and hang them into the index as L3-resident."""
+        assert self.remote is not None
+        path = self.index.walk(keys)
+        known = sum(seg.pages for seg in path)
+        if known == len(keys):
+            return
+        rest = keys[known:]
+        found = self.remote.exists_prefix([self.remote.key(k, "kv") for k in rest])
+        if found == 0:
+            return
+        rest = rest[:found]
+        swa = self.remote.exists_each([self.remote.key(k, "swa") for k in rest]) \
+            if self.layout.swa is not None else [False] * found
+        ends = [found]
+        if self.layout.state is not None:
+            state = self.remote.exists_each([self.remote.key(k, "state") for k in rest])
+            ends = [i + 1 for i, ok in enumerate(state) if ok]
+            if not ends:
+                return  # KV without any checkpoint cannot serve a hybrid match
+        parent = self.index.node_ending_at(path)
+        start = 0
+        for end in ends:  # one node per checkpoint, so each sits at a node's end
+            parent = self.index.extend(parent, rest[start:end], kv3=[1] * (end - start),
+                                       swa3=[1 if ok else -1 for ok in swa[start:end]])
+            if self.layout.state is not None:
+                parent.state3 = 1
+            start = end
 
     def release(self, lease: Lease) -> None:
         """Unlock a matched prefix. Releasing twice, or another store's lease, raises."""
@@ -152,32 +245,6 @@ class TierStore:
         self.arena.free(kind, ids_t)
         self._outstanding[kind] -= ids_t.numel()
 
-    def _make_room(self, demand: Mapping[str, int]) -> bool:
-        if self.arena.can_alloc(demand):
-            return True
-        stop = StopCondition(self.config.stop_rule, demand,
-                             lambda: self.arena.can_alloc(demand), self.arena.max_alloc)
-        for leaf in victims(self.index, self.policy, lambda n: True):
-            stop.freed(self._drop(leaf))
-            if stop.satisfied():
-                return True
-        return self.arena.can_alloc(demand)
-
-    def _drop(self, leaf: Node) -> dict[str, int]:
-        """Evict one leaf from L1: free its blocks and detach it. Returns blocks freed per kind."""
-        freed = {}
-        for kind, ids in (("kv", leaf.kv), ("swa", leaf.swa),
-                          ("state", [leaf.state])):
-            live = [i for i in ids if i >= 0]
-            if live and kind in self._owned:
-                self.arena.free(kind, live)
-                self._owned[kind].difference_update(live)
-                self._evicted[kind] += len(live)
-            freed[kind] = len(live)
-        self.index.remove_leaf(leaf)
-        self._evictions += 1
-        return freed
-
     # ================================================================= insert
     def insert(self, tokens: object, namespace: str = "default", *, kv: Blocks = None,
                swa: Blocks = None, state: Blocks | int = None, priority: int = 0
@@ -204,28 +271,35 @@ class TierStore:
                 self._check_ids(kind, blocks, path, n_pages)
 
         # Bytes: copy into fresh blocks first, so a shortfall changes nothing.
-        need = self._bytes_demand(given, path, n_pages, cached)
-        if any(need.values()):
+        need = self._bytes_demand(given, path, n_pages)
+        demand = {k: int(m.sum()) for k, m in need.items() if int(m.sum())}
+        if demand:
             anchor = self.index.node_ending_at(path) if path else None
             if anchor is not None:
                 self.index.lock(anchor, +1)
             try:
-                if not self._make_room({k: n for k, n in need.items() if n}):
+                if not self._make_room(demand):
                     return InsertResult(False, 0, cached, False, 0, 0)
             finally:
                 if anchor is not None:
                     self.index.lock(anchor, -1)
             path = self.index.walk(keys)  # the anchor was locked: the path is intact
-        for kind, n in need.items():
+        for kind, mask in need.items():
             data = given[kind]
             assert data is not None
-            given[kind] = self._store_bytes(kind, data, n_pages, cached) if n else None
-        return self._link(keys, path, given, n_pages, cached, priority)
+            ids = self._store_bytes(kind, data, mask)
+            given[kind] = ids if kind != "state" or int(ids[0]) >= 0 else None
+        result, end = self._link(keys, path, given, n_pages, cached, priority)
+        if self.config.write_policy == "write_through" and end is not self.index.root:
+            for node in self.index.path_to(end):
+                self._backup(node)
+        return result
 
     def _link(self, keys: list[bytes], path: list[Segment], given: dict[str, torch.Tensor | None],
-              n_pages: int, cached: int, priority: int) -> InsertResult:
+              n_pages: int, cached: int, priority: int) -> tuple[InsertResult, Node]:
         """Hang the given ids into the tree; ids the cache did not already own pass from the
-        caller to the cache, and those it does not keep are freed."""
+        caller to the cache, and those it does not keep are freed. Returns the result and the
+        node ending at the inserted prefix."""
         handed = {k: sum(1 for i in (v.tolist() if v is not None else [])
                          if i >= 0 and i not in self._owned[k])
                   for k, v in given.items() if k in self.kinds}
@@ -246,7 +320,10 @@ class TierStore:
             n = seg.node
             for j in range(seg.pages):
                 p = pos + j
-                if kv_ids[p] >= 0 and kv_ids[p] != n.kv[j]:
+                if kv_ids[p] >= 0 and n.kv[j] < 0:  # cached elsewhere or lost: take it
+                    n.kv[j] = kv_ids[p]
+                    self._owned["kv"].add(kv_ids[p])
+                elif kv_ids[p] >= 0 and kv_ids[p] != n.kv[j]:
                     spare["kv"].append(kv_ids[p])
                 if swa_ids[p] >= 0 and swa_ids[p] != n.swa[j]:
                     if n.swa[j] < 0 and p >= keep_from:
@@ -262,7 +339,7 @@ class TierStore:
                     spare["swa"].append(sid)
                     new_swa[i] = -1
                     dropped += 1
-            end = self.index.extend(end, keys[cached:], kv_ids[cached:], new_swa)
+            end = self.index.extend(end, keys[cached:], kv=kv_ids[cached:], swa=new_swa)
             for kind, ids in (("kv", end.kv), ("swa", end.swa)):
                 if kind in self._owned:
                     self._owned[kind].update(i for i in ids if i >= 0)
@@ -280,9 +357,10 @@ class TierStore:
                 self.arena.free(kind, ids)
         for kind, count in handed.items():
             self._outstanding[kind] -= count
-        self._touch(end, priority)
+        self._touch(end, priority, hit=False)
         duplicates = sum(len(v) for v in spare.values()) - dropped
-        return InsertResult(True, n_pages - cached, cached, checkpoint, duplicates, dropped)
+        result = InsertResult(True, n_pages - cached, cached, checkpoint, duplicates, dropped)
+        return result, end
 
     # ============================================================= inspection
     def stats(self) -> StoreStats:
@@ -290,7 +368,10 @@ class TierStore:
         return StoreStats(self._requests, self._requests_hit, self._tokens_queried,
                           self._tokens_hit, self._evictions, dict(self._evicted),
                           self.index.num_nodes, self.index.num_pages, self.arena.stats(),
-                          self.config.stop_rule)
+                          self.config.stop_rule, dict(self._hit_tokens),
+                          dict(self._hit_requests), dict(self._moved),
+                          self.host.arena.stats() if self.host else None,
+                          self.remote.stats() if self.remote else None)
 
     def check_integrity(self) -> None:
         """Raise IntegrityError if the arena, the index or their agreement is broken: every id
@@ -312,11 +393,19 @@ class TierStore:
                                      f"{self._outstanding[kind]} handed out")
             if ids:
                 self.arena.resolve(kind, ids)  # raises if any is not live
+        if self.host is not None:
+            self.host.check_integrity()
+            for kind in self.kinds:
+                held = [v for n in self.index.nodes() for v in (
+                    [n.state2] if kind == "state" else n.col(kind, 2)) if v >= 0]
+                if len(held) != len(set(held)) or len(held) != self.host.arena.num_live(kind):
+                    raise IntegrityError(f"{kind}: L2 holds {self.host.arena.num_live(kind)} "
+                                         f"blocks, the index names {len(held)}")
 
     # =============================================================== helpers
-    def _touch(self, node: Node, priority: int) -> None:
+    def _touch(self, node: Node, priority: int, *, hit: bool) -> None:
         self._tick += 1
-        self.index.touch(node, float(self._tick), priority)
+        self.index.touch(node, float(self._tick), priority, hit=hit)
 
     def _tokens(self, tokens: object) -> np.ndarray:
         toks = as_tokens(tokens)
@@ -407,31 +496,37 @@ class TierStore:
             raise ShapeError(f"{kind}: {len(stolen)} ids already belong to other cached pages")
 
     def _bytes_demand(self, given: dict[str, torch.Tensor | None], path: list[Segment],
-                      n_pages: int, cached: int) -> dict[str, int]:
-        """Fresh blocks needed per kind given as bytes (0: everything given is cached)."""
+                      n_pages: int) -> dict[str, torch.Tensor]:
+        """Per kind given as bytes, a mask over the given rows: which need a fresh L1 block
+        (their page has no L1 copy yet)."""
         need = {}
         for kind, blocks in given.items():
             if blocks is None or blocks.dtype != torch.uint8:
                 continue
             if kind == "state":
                 last = path[-1] if path else None
-                at_end = (cached == n_pages and last is not None
+                at_end = (sum(seg.pages for seg in path) == n_pages and last is not None
                           and last.pages == len(last.node.keys) and last.node.state >= 0)
-                need[kind] = 0 if at_end else 1
+                need[kind] = torch.tensor([not at_end])
             else:
-                need[kind] = max(0, len(blocks) - max(0, cached - (n_pages - len(blocks))))
+                l1 = [v for seg in path for v in seg.node.col(kind, 1)[: seg.pages]]
+                first = n_pages - len(blocks)
+                need[kind] = torch.tensor([first + i >= len(l1) or l1[first + i] < 0
+                                           for i in range(len(blocks))], dtype=torch.bool)
         return need
 
-    def _store_bytes(self, kind: str, data: torch.Tensor, n_pages: int, cached: int
-                     ) -> torch.Tensor:
-        """Write envelopes of not-yet-cached pages into fresh blocks; ids (-1 for cached)."""
-        first = n_pages - len(data) if kind != "state" else 0
-        skip = max(0, cached - first) if kind != "state" else 0
-        ids = self.arena.alloc(kind, len(data) - skip)
-        assert ids is not None, f"{kind}: room was made for {len(data) - skip} blocks"
-        self.arena.write(kind, ids, data[skip:].to(self.arena.device))
-        self._outstanding[kind] += ids.numel()
-        return torch.cat([torch.full((skip,), -1, dtype=torch.long), ids])
+    def _store_bytes(self, kind: str, data: torch.Tensor, need: torch.Tensor) -> torch.Tensor:
+        """Write the rows of ``data`` that ``need`` marks into fresh L1 blocks; ids per row
+        (-1 where the page already has an L1 copy)."""
+        ids = torch.full((len(data),), -1, dtype=torch.long)
+        count = int(need.sum())
+        if count:
+            fresh = self.arena.alloc(kind, count)
+            assert fresh is not None, f"{kind}: room was made for {count} blocks"
+            self.arena.write(kind, fresh, data[need].to(self.arena.device))
+            self._outstanding[kind] += count
+            ids[need] = fresh
+        return ids
 
 
 def _cut(path: list[Segment], pages: int) -> list[Segment]:

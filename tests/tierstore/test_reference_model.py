@@ -89,3 +89,42 @@ def test_namespaces_do_not_share_prefixes() -> None:
     m.generate(p, 0, namespace="tenant-a")
     assert m.generate(p, 0, namespace="tenant-b").cached_tokens == 0
     assert m.generate(p, 0, namespace="tenant-a").cached_tokens == 16
+
+
+def _pushed_out(m: ReferenceModel, target: list[int], others: int, seed: int) -> None:
+    for i in range(others):
+        m.generate(prompt(30, seed + i), 2)
+    assert m.store.peek(target[:-1]) == 0, "the target should have left L1"
+
+
+def test_prefix_back_from_host_tier_gives_the_same_logits() -> None:
+    units = {k: e.nbytes for k, e in LAYOUT.envelopes().items()}
+    one = 8 * (units["kv"] + units["swa"]) + 3 * units["state"]
+    m = model(2 * one, host_capacity_bytes=20 * one)
+    target = prompt(30, 30)
+    m.generate(target, 2)
+    _pushed_out(m, target, 4, 300)
+    assert m.store.peek(target[:-1], tiers=(2,)) == 28
+    served = m.generate(target, 4)
+    assert served.cached_tokens == 28
+    assert m.store.stats().hit_requests["l2"] >= 1
+    assert torch.allclose(served.logits, cold_logits(target), atol=1e-6, rtol=0)
+    m.store.check_integrity()
+
+
+def test_prefix_back_from_redis_gives_the_same_logits(redis_url: str) -> None:
+    from remote_tier import RemoteTierConfig
+
+    units = {k: e.nbytes for k, e in LAYOUT.envelopes().items()}
+    one = 8 * (units["kv"] + units["swa"]) + 3 * units["state"]
+    m = model(2 * one, remote=RemoteTierConfig(url=redis_url, key_prefix="ref"))
+    target = prompt(30, 40)
+    m.generate(target, 2)
+    _pushed_out(m, target, 4, 400)
+    assert m.store.peek(target[:-1], tiers=(3,)) == 28
+    served = m.generate(target, 4)
+    assert served.cached_tokens == 28
+    assert m.store.stats().hit_requests["l3"] >= 1
+    assert torch.allclose(served.logits, cold_logits(target), atol=1e-6, rtol=0)
+    m.store.check_integrity()
+    m.store.close()

@@ -1,0 +1,114 @@
+"""``RemoteTierConfig``: every knob of the Redis tier, frozen and validated on construction."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+from urllib.parse import unquote, urlsplit
+
+Mode = Literal["standalone", "cluster"]
+
+_PREFIX_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
+MAX_BULK_BYTES = 512 * 1024 * 1024  # Redis' default proto-max-bulk-len
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where and how to connect: parsed from ``RemoteTierConfig.url``."""
+
+    host: str
+    port: int
+    db: int
+    username: str | None
+    password: str | None
+
+
+@dataclass(frozen=True)
+class RemoteTierConfig:
+    """Configuration of one ``RedisTier``.
+
+    ``url`` is ``redis://[user:password@]host[:port][/db]``; in cluster mode it names any one
+    node (a startup node) and ``db`` must be 0. TLS (``rediss://``) and unix sockets are not
+    supported by the data path. ``op_timeout_s`` bounds a connect and, per connection, how
+    long a request may make no progress (so a 4 MiB transfer is not cut short, but a silent
+    server is). ``connections`` is per node. ``pipeline_bytes`` bounds the SET payload bytes in
+    flight on one connection (a larger value travels alone, which Redis handles fastest).
+    ``batch_keys`` bounds keys per MGET/UNLINK command and per existence-probe round.
+    ``ordered_writes`` keeps a ``put_many`` batch visible strictly in the order given
+    (parent first); off, items are spread over connections and nodes with no order.
+    The breaker opens after ``breaker_failures`` consecutive failed calls to a node, for
+    ``breaker_cooldown_s``, doubling per failed probe up to ``breaker_max_cooldown_s``.
+    ``recv_pool_bytes`` bounds the receive buffers ``get_many`` keeps for reuse (0: none).
+    """
+
+    url: str = "redis://127.0.0.1:6379/0"
+    mode: Mode = "standalone"
+    key_prefix: str = "ts"
+    ttl_s: float | None = None
+    max_value_bytes: int = 64 * 1024 * 1024
+    op_timeout_s: float = 2.0
+    connections: int = 4
+    pipeline_bytes: int = 1024 * 1024
+    batch_keys: int = 64
+    ordered_writes: bool = True
+    breaker_failures: int = 3
+    breaker_cooldown_s: float = 0.5
+    breaker_max_cooldown_s: float = 30.0
+    recv_pool_bytes: int = 256 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        self.endpoint()  # validates the URL
+        if self.mode not in ("standalone", "cluster"):
+            raise ValueError(f"mode must be 'standalone' or 'cluster', got {self.mode!r}")
+        if self.mode == "cluster" and self.endpoint().db != 0:
+            raise ValueError(f"redis cluster has only db 0, url selects db {self.endpoint().db}")
+        if not _PREFIX_RE.fullmatch(self.key_prefix):
+            raise ValueError(f"key_prefix must be 1-64 of [A-Za-z0-9._-], got {self.key_prefix!r}")
+        if self.ttl_s is not None and not self.ttl_s >= 0.001:
+            raise ValueError(f"ttl_s must be None or >= 0.001 s, got {self.ttl_s}")
+        if not 1024 <= self.max_value_bytes <= MAX_BULK_BYTES:
+            raise ValueError(
+                f"max_value_bytes must be in [1024, {MAX_BULK_BYTES}], got {self.max_value_bytes}"
+            )
+        if not self.op_timeout_s > 0:
+            raise ValueError(f"op_timeout_s must be > 0, got {self.op_timeout_s}")
+        if not 1 <= self.connections <= 64:
+            raise ValueError(f"connections must be in [1, 64], got {self.connections}")
+        if not 4096 <= self.pipeline_bytes <= MAX_BULK_BYTES:
+            raise ValueError(
+                f"pipeline_bytes must be in [4096, {MAX_BULK_BYTES}], got {self.pipeline_bytes}"
+            )
+        if not 1 <= self.batch_keys <= 10_000:
+            raise ValueError(f"batch_keys must be in [1, 10000], got {self.batch_keys}")
+        if not 1 <= self.breaker_failures <= 1000:
+            raise ValueError(f"breaker_failures must be in [1, 1000], got {self.breaker_failures}")
+        if not 0 <= self.recv_pool_bytes <= 1 << 40:
+            raise ValueError(f"recv_pool_bytes must be in [0, 2**40], got {self.recv_pool_bytes}")
+        if not 0 < self.breaker_cooldown_s <= self.breaker_max_cooldown_s:
+            raise ValueError(
+                f"need 0 < breaker_cooldown_s <= breaker_max_cooldown_s, got "
+                f"{self.breaker_cooldown_s} and {self.breaker_max_cooldown_s}"
+            )
+
+    def endpoint(self) -> Endpoint:
+        """The host, port, db and credentials named by ``url``."""
+        parts = urlsplit(self.url)
+        if parts.scheme != "redis":
+            raise ValueError(f"url scheme must be redis:// (no TLS/unix), got {self.url!r}")
+        try:
+            port = parts.port or 6379
+        except ValueError as exc:
+            raise ValueError(f"url has a bad port: {self.url!r}") from exc
+        if not parts.hostname:
+            raise ValueError(f"url has no host: {self.url!r}")
+        path = parts.path.strip("/")
+        if path and not path.isdigit():
+            raise ValueError(f"url path must be a db number, got {path!r}")
+        return Endpoint(
+            host=parts.hostname,
+            port=port,
+            db=int(path) if path else 0,
+            username=unquote(parts.username) if parts.username else None,
+            password=unquote(parts.password) if parts.password else None,
+        )

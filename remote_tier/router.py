@@ -1,0 +1,154 @@
+"""``Router``: which node holds a key, the connections to each node, and running per-key
+commands over every node at once (mechanism shared by ``RedisTier``'s reads and deletes)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+from remote_tier.breaker import CircuitBreaker
+from remote_tier.config import RemoteTierConfig
+from remote_tier.errors import Moved, RemoteUnavailable
+from remote_tier.pool import NodePool
+from remote_tier.resp import Arg, BulkSink, Reply
+from remote_tier.stats import Counters
+from remote_tier.topology import Address, ClusterTopology, StandaloneTopology, Topology
+from remote_tier.transfer import execute, group_keys
+
+log = logging.getLogger(__name__)
+
+
+class Router:
+    """The topology (standalone or cluster), one ``NodePool`` per node, and a breaker for
+    loading a cluster's slot map. Bookkeeping only; one event loop."""
+
+    def __init__(
+        self,
+        config: RemoteTierConfig,
+        counters: Counters,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._config = config
+        self._counters = counters
+        self._clock = clock
+        self._endpoint = config.endpoint()
+        self.topology: Topology = (
+            ClusterTopology(config) if config.mode == "cluster" else StandaloneTopology(config)
+        )
+        self.pools: dict[Address, NodePool] = {}
+        self._slot_map_breaker = CircuitBreaker(
+            failures=config.breaker_failures,
+            cooldown_s=config.breaker_cooldown_s,
+            max_cooldown_s=config.breaker_max_cooldown_s,
+            clock=clock,
+            name="redis cluster slot map",
+        )
+
+    def address_of(self, key: bytes) -> Address:
+        """The node holding ``key`` (``RemoteUnavailable`` without a slot map)."""
+        return self.topology.address_of(key)
+
+    def pool(self, address: Address) -> NodePool:
+        """The pool of the node at ``address`` (created on first use)."""
+        pool = self.pools.get(address)
+        if pool is None:
+            pool = NodePool(
+                address[0],
+                address[1],
+                config=self._config,
+                endpoint=self._endpoint,
+                clock=self._clock,
+            )
+            self.pools[address] = pool
+        return pool
+
+    async def ensure_topology(self) -> bool:
+        """Whether keys can be routed; loads a cluster's slot map behind its own breaker."""
+        if self.topology.ready:
+            return True
+        if not self._slot_map_breaker.allow():
+            self._counters.error("circuit_open")
+            return False
+        try:
+            await self.topology.refresh()
+        except RemoteUnavailable as exc:
+            self._slot_map_breaker.record_failure()
+            self._counters.error(exc.reason)
+            log.warning("redis cluster slot map unavailable: %s", exc)
+            return False
+        except BaseException:
+            self._slot_map_breaker.abandon()
+            raise
+        self._slot_map_breaker.record_success()
+        return True
+
+    async def refresh(self) -> None:
+        """Reload a cluster's slot map after a ``MOVED``; failures are counted, not raised."""
+        try:
+            await self.topology.refresh()
+        except RemoteUnavailable as exc:
+            self._counters.error(exc.reason)
+            log.warning("redis cluster slot map refresh failed: %s", exc)
+
+    async def run_keyed(
+        self, command: str, keys_b: list[bytes], max_keys: int, sinks: list[BulkSink] | None
+    ) -> list[tuple[list[int], Reply | Exception]]:
+        """Run ``command`` over ``keys_b`` in groups of at most ``max_keys`` keys per node (one
+        slot per group on a cluster), nodes concurrently; after a ``MOVED``, refresh the slot
+        map and rerun those groups once. One ``(key indexes, reply)`` per group."""
+        done: list[tuple[list[int], Reply | Exception]] = []
+        todo = list(range(len(keys_b)))
+        for attempt in range(2):
+            if not await self.ensure_topology():
+                return done + [([i], RemoteUnavailable("topology")) for i in todo]
+            by_node: dict[Address, list[int]] = {}
+            for i in todo:
+                try:
+                    by_node.setdefault(self.topology.address_of(keys_b[i]), []).append(i)
+                except RemoteUnavailable as exc:
+                    done.append(([i], exc))
+
+            async def on_node(
+                address: Address, idxs: list[int]
+            ) -> list[tuple[list[int], Reply | Exception]]:
+                pool = self.pool(address)
+                groups = group_keys(
+                    keys_b,
+                    idxs,
+                    cluster=self.topology.is_cluster,
+                    max_keys=max_keys,
+                    spread=pool.size,
+                )
+                cmds: list[Sequence[Arg]] = [(command, *(keys_b[i] for i in g)) for g in groups]
+                cmd_sinks = None if sinks is None else [_group_sink(sinks, g) for g in groups]
+                got = await execute(
+                    pool, cmds, cmd_sinks, self._counters, owns_buffers=sinks is not None
+                )
+                return list(zip(groups, got, strict=True))
+
+            todo = []
+            for results in await asyncio.gather(*(on_node(a, i) for a, i in by_node.items())):
+                for group, reply in results:
+                    if isinstance(reply, Moved) and not attempt:
+                        todo += group
+                    else:
+                        done.append((group, reply))
+            if not todo:
+                break
+            await self.refresh()
+        return done
+
+    async def aclose(self) -> None:
+        """Close every node's connections and redis-py's."""
+        pools, self.pools = list(self.pools.values()), {}
+        for pool in pools:
+            await pool.aclose()
+        await self.topology.aclose()
+
+
+def _group_sink(sinks: list[BulkSink], group: list[int]) -> BulkSink:
+    """The sink of a multi-key command: reply position ``p`` belongs to key ``group[p]``."""
+    return lambda position, length: sinks[group[position]](0, length)

@@ -1,0 +1,114 @@
+"""A blocking facade over the async Redis tier, for the synchronous store.
+
+The store is called from engine threads (or the service's worker threads); the Redis tier is
+asyncio. The bridge runs the tier on a private event-loop thread and waits on each call with a
+timeout. Every failure — Redis down, a timeout, a corrupt value — comes back as a miss (False /
+None / 0) and is counted; nothing raises into the store for those.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
+
+from remote_tier import RedisTier, RemoteTierConfig, RemoteTierError, envelope_key
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class RemoteBridge:
+    """L3 for one model layout: envelope keys ``{prefix}:{layout_fp}:{page_key}:{kind}``."""
+
+    def __init__(self, config: RemoteTierConfig, layout_fingerprint: str) -> None:
+        self.config = config
+        self.layout_fp = layout_fingerprint
+        self.failures = 0  # calls that timed out or failed (each is also a miss)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="tierstore-l3",
+                                        daemon=True)
+        self._thread.start()
+        self._tier = RedisTier(config)
+        self._run(self._tier.start(), None)  # a down server is retried on later calls
+        log.info("L3 on %s (%s), prefix %r", config.url, config.mode, config.key_prefix)
+
+    def key(self, page_key: bytes, kind: str) -> str:
+        """The Redis key of one envelope of a page (``kind``: kv, swa, state)."""
+        return envelope_key(self.config.key_prefix, self.layout_fp, page_key.hex(), kind)
+
+    def put(self, items: Sequence[tuple[str, Any]]) -> list[bool]:
+        """Write ``(key, payload)`` pairs, parent first; True where acknowledged."""
+        if not items:
+            return []
+        result = self._run(self._tier.put_many(items), [False] * len(items))
+        return result
+
+    def get(self, keys: Sequence[str], timeout: float | None = None
+            ) -> list[memoryview | None] | None:
+        """Payloads of ``keys`` (None for a key Redis does not have, or holds damaged); None
+        for the whole call when it failed or ran past ``timeout`` seconds."""
+        if not keys:
+            return []
+        return self._run(self._tier.get_many(keys), None, timeout)
+
+    def submit_get(self, keys: Sequence[str]) -> concurrent.futures.Future[Any]:
+        """Start a get in the background; the future's result is as :meth:`get`'s."""
+        return asyncio.run_coroutine_threadsafe(self._tier.get_many(list(keys)), self._loop)
+
+    def exists_prefix(self, keys: Sequence[str]) -> int:
+        """How many of ``keys``, from the first, exist."""
+        return self._run(self._tier.exists_prefix(keys), 0) if keys else 0
+
+    def exists_each(self, keys: Sequence[str]) -> list[bool]:
+        """Presence of each key (probed concurrently)."""
+        async def probe() -> list[bool]:
+            found = await asyncio.gather(*(self._tier.exists_prefix([k]) for k in keys))
+            return [n == 1 for n in found]
+
+        return self._run(probe(), [False] * len(keys)) if keys else []
+
+    def ping(self) -> bool:
+        """Whether Redis answers now (an open circuit answers False without I/O)."""
+        return bool(self._run(self._tier.ping(), False))
+
+    def delete(self, keys: Sequence[str]) -> int:
+        return self._run(self._tier.delete_many(keys), 0) if keys else 0
+
+    def clear(self) -> int:
+        """Delete every key of this layout under the prefix."""
+        return self._run(self._tier.clear(self.layout_fp), 0)
+
+    def stats(self) -> dict[str, Any]:
+        """The Redis tier's counters, plus calls the bridge gave up on."""
+        out = dataclasses.asdict(self._tier.stats())
+        out["breakers"] = {node: str(state) for node, state in out["breakers"].items()}
+        out["bridge_failures"] = self.failures
+        return out
+
+    def close(self) -> None:
+        """Close the connections and stop the loop thread."""
+        if not self._thread.is_alive():
+            return
+        self._run(self._tier.aclose(), None)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        self._loop.close()
+
+    def _run(self, coro: Coroutine[Any, Any, T], miss: T, timeout: float | None = None) -> T:
+        limit = timeout if timeout is not None else self.config.op_timeout_s * 4 + 1
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(limit)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            self.failures += 1
+            log.warning("L3 call timed out after %.3f s", limit)
+        except (RemoteTierError, OSError) as exc:
+            self.failures += 1
+            log.warning("L3 call failed: %s", exc)
+        return miss
