@@ -42,7 +42,8 @@ class Node:
     state3: int = -1  # L3: 1 present
     children: dict[bytes, Node] = field(default_factory=dict)
     lock: int = 0
-    last_use: float = 0.0
+    last_use: float = 0.0  # logical clock: orders LRU deterministically
+    used_at: float = 0.0  # wall clock (time.monotonic), for idle demotion
     hits: int = 0
     priority: int = 0
     serial: int = field(default_factory=lambda: next(_serial))  # creation order: ties broken
@@ -120,7 +121,8 @@ class RadixIndex:
         parent = node.parent
         assert parent is not None
         upper = Node(parent=parent, depth=node.depth, keys=node.keys[:pages], lock=node.lock,
-                     last_use=node.last_use, hits=node.hits, priority=node.priority)
+                     last_use=node.last_use, used_at=node.used_at, hits=node.hits,
+                     priority=node.priority)
         for name in COLUMNS:
             column = getattr(node, name)
             setattr(upper, name, column[:pages])
@@ -177,11 +179,13 @@ class RadixIndex:
             assert n.lock >= 0, "lock count went negative"
             n = n.parent
 
-    def touch(self, node: Node, now: float, priority: int, *, hit: bool) -> None:
+    def touch(self, node: Node, now: float, priority: int, *, hit: bool, wall: float = 0.0
+              ) -> None:
         """Record a use of the path ending at ``node`` (a ``hit`` when a match served it)."""
         n: Node | None = node
         while n is not None and n is not self.root:
             n.last_use = now
+            n.used_at = wall
             n.hits += int(hit)
             n.priority = priority
             n = n.parent

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -12,7 +13,7 @@ from gpu_arena import Arena, ArenaError, IntegrityError, PoolSpec
 from host_tier import HostTier
 from tierstore.config import StoreConfig
 from tierstore.errors import LeaseError, ShapeError, TokenError
-from tierstore.eviction import make_policy
+from tierstore.eviction import make_policy, victims
 from tierstore.hashing import PageHasher, as_tokens, check_namespace
 from tierstore.layout import ModelLayout
 from tierstore.movement import DIRECTIONS, TierMovement
@@ -212,6 +213,18 @@ class TierStore(TierMovement):
                 parent.state3 = 1
             start = end
 
+    def demote_idle(self, idle_s: float) -> int:
+        """Demote from L1 every unlocked prefix unused for ``idle_s`` seconds (to L2 / L3 when
+        present, else drop it), deepest first; returns how many nodes left L1. An idle loop
+        or the service calls this to keep L1 for hot prefixes."""
+        cutoff = time.monotonic() - idle_s
+        demoted = 0
+        for node in victims(self.index, self.policy,
+                            lambda n: n.holds(1) and n.used_at <= cutoff):
+            self._evict_l1(node)
+            demoted += 1
+        return demoted
+
     def release(self, lease: Lease) -> None:
         """Unlock a matched prefix. Releasing twice, or another store's lease, raises."""
         if not isinstance(lease, Lease) or lease.owner is not self:
@@ -405,7 +418,7 @@ class TierStore(TierMovement):
     # =============================================================== helpers
     def _touch(self, node: Node, priority: int, *, hit: bool) -> None:
         self._tick += 1
-        self.index.touch(node, float(self._tick), priority, hit=hit)
+        self.index.touch(node, float(self._tick), priority, hit=hit, wall=time.monotonic())
 
     def _tokens(self, tokens: object) -> np.ndarray:
         toks = as_tokens(tokens)

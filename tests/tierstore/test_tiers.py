@@ -198,3 +198,16 @@ def test_prefetch_policies_never_block_on_a_stalled_redis(redis_url: str, redis_
             time.sleep(0.02)
     assert_served(s, 1, a)  # Redis is back: the same request hits
     s.close()
+
+
+def test_idle_prefixes_are_demoted_proactively() -> None:
+    s = make(l1=3, l2=3)
+    a, b = put(s, 1), put(s, 2)
+    time.sleep(0.15)
+    put(s, 3)  # recent
+    assert s.demote_idle(0.1) == 2
+    assert s.peek(tokens(1) + [7]) == 0 and s.peek(tokens(2) + [7]) == 0
+    assert s.peek(tokens(3) + [7]) == PREFIX
+    assert s.peek(tokens(1) + [7], tiers=(2,)) == PREFIX
+    assert_served(s, 1, a)
+    assert_served(s, 2, b)
