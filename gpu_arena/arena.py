@@ -465,9 +465,11 @@ class Arena:
         """Copy blocks ``src`` -> ``dst`` (one batched copy) and relink their ids."""
         device = self.device
         if device.type != "meta":  # an accounting-only arena has no bytes to move
+            # Live blocks move into free slots of the same pool: no source overlaps a
+            # destination, so the copy needs no staging.
             kernels.strided_copy(self._buf, self._buf, src.to(device), dst.to(device),
                                  nbytes=p.unit, src_stride=p.unit, dst_stride=p.unit,
-                                 src_offset=p.origin, dst_offset=p.origin)
+                                 src_offset=p.origin, dst_offset=p.origin, overlap=False)
         p.relink(src, dst)
 
     def _retire(self) -> None:

@@ -1,0 +1,7 @@
+"""The one exception the kernels raise for caller misuse."""
+
+from __future__ import annotations
+
+
+class KernelArgumentError(ValueError):
+    """Arguments that do not fit their buffers or each other; the message carries the numbers."""
