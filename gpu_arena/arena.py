@@ -377,7 +377,7 @@ class Arena:
             p.lo = p.hi = first_fit + (last_fit - first_fit - need) // 2
         up = last_fit - p.hi if p.anchor != "high" else 0
         down = p.lo - first_fit if p.anchor != "low" else 0
-        if up + down < need:
+        if up + down < need or (p.hi - p.lo) + need > p.cap:
             return None
         n_up = min(up, need)
         n_down = need - n_up
@@ -395,6 +395,8 @@ class Arena:
             holes = extent - p.num_live - p.num_pending
             return extent + max(0, request.get(p.name, 0) - holes)
 
+        if any(grown(p) > p.cap for p in self._pools.values()):
+            return None
         low_slots, high_slots = grown(self._low), grown(self._high)
         low_end = low_slots * self._low.unit if self._low else 0
         high_start = self.capacity_bytes

@@ -25,6 +25,9 @@ class Pool:
         self.anchor = spec.anchor
         self.origin = origin
         self.max_slots = max_slots
+        # A fixed split caps the band: at most this many slots (live, pending or holes).
+        self.cap = max_slots if spec.max_bytes is None else min(max_slots,
+                                                                  spec.max_bytes // spec.unit_bytes)
         self.lo = lo
         self.hi = lo
         self.loc = torch.full((max_slots,), -1, dtype=_LONG)

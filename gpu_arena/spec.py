@@ -21,11 +21,13 @@ class IntegrityError(AssertionError):
 @dataclass(frozen=True)
 class PoolSpec:
     """One sub-pool: blocks of ``unit_bytes`` in a band anchored at the low end, the high end, or
-    floating between them. An arena holds at most one pool per anchor."""
+    floating between them. An arena holds at most one pool per anchor. ``max_bytes`` caps the
+    band (so one arena can also model a fixed split, for comparison)."""
 
     name: str
     unit_bytes: int
     anchor: Anchor = "float"
+    max_bytes: int | None = None  # a cap on the band (a fixed split); None: no cap
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -35,6 +37,8 @@ class PoolSpec:
                 f"pool {self.name!r}: unit_bytes must be a positive multiple of {ALIGN}, "
                 f"got {self.unit_bytes}"
             )
+        if self.max_bytes is not None and self.max_bytes < 0:
+            raise ArenaError(f"pool {self.name!r}: max_bytes must be >= 0, got {self.max_bytes}")
         if self.anchor not in ANCHORS:
             raise ArenaError(
                 f"pool {self.name!r}: anchor must be one of {ANCHORS}, got {self.anchor!r}"

@@ -60,6 +60,15 @@ def test_capacity_example_short_requests() -> None:
     assert admitted(shared(24), state=2, kv=1, offered=100) == 8
 
 
+def test_max_bytes_caps_a_pool_like_a_fixed_split() -> None:
+    """The same 24 units with caps of 8 state / 16 KV units behave like the fixed split."""
+    capped = Arena(24 * U, [PoolSpec("state", U, "low", max_bytes=8 * U),
+                            PoolSpec("kv", U, "high", max_bytes=16 * U)])
+    assert admitted(capped, state=2, kv=1, offered=7) == 4
+    assert capped.max_alloc("state") == 0 and capped.max_alloc("kv") == 12
+    capped.check_integrity()
+
+
 def test_capacity_example_long_context() -> None:
     """The opposite failure: long requests need 2 state + 6 KV units. The 8/16 split runs out of
     KV after 2 (state has room for 4); the arena fits 3 (24 units)."""
