@@ -1,4 +1,4 @@
-"""The ``tierstore`` command line: ``demo``, ``bench NAME``."""
+"""The ``tierstore`` command line: ``serve``, ``stats``, ``demo``, ``bench NAME``."""
 
 from __future__ import annotations
 
@@ -13,7 +13,19 @@ def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tierstore", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    sub.add_parser("demo", help="run the quick-start demonstration")
+    demo = sub.add_parser("demo", help="run the quick-start demonstration")
+    demo.add_argument("--offline", action="store_true",
+                      help="library only: skip starting the service")
+
+    from tierstore.service import server
+
+    serve = sub.add_parser("serve", help="run the HTTP service")
+    server.add_arguments(serve)
+
+    stats = sub.add_parser("stats", help="print a running service's per-tier hit rates")
+    stats.add_argument("--url", default="http://127.0.0.1:8080")
+    stats.add_argument("--auth-token", default=None)
+    stats.add_argument("--json", action="store_true")
 
     bench_parser = sub.add_parser("bench", help="run a benchmark")
     bench_sub = bench_parser.add_subparsers(dest="bench", required=True)
@@ -43,7 +55,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from tierstore.demo import main as demo_main
 
-        return demo_main()
+        return demo_main(offline=args.offline)
+    if args.command == "serve":
+        from tierstore.service.server import serve
+
+        return serve(args)
+    if args.command == "stats":
+        from tierstore.client import print_stats
+
+        return print_stats(args.url, args.auth_token, as_json=args.json)
     return 2
 
 

@@ -73,19 +73,26 @@ def make_policy(name: PolicyName) -> EvictionPolicy:
 
 
 def victims(
-    index: RadixIndex, policy: EvictionPolicy, evictable: Callable[[Node], bool]
+    index: RadixIndex, policy: EvictionPolicy, holds: Callable[[Node], bool]
 ) -> Iterator[Node]:
-    """Unlocked leaves in policy order; a parent joins the candidates once its last child is
-    gone. The caller removes each yielded leaf before asking for the next."""
-    heap = [(policy.key(n), n.serial, n) for n in index.nodes()
-            if n.is_leaf() and n.lock == 0 and evictable(n)]
+    """Nodes to evict from one tier, in policy order: unlocked nodes that hold something in
+    the tier (``holds``) while none of their children do — the tier's leaves. A parent joins
+    once its last holding child is gone. Each candidate is checked again when its turn comes
+    (evictions in between may have changed it); the caller evicts each yielded node before
+    asking for the next."""
+    def candidate(n: Node) -> bool:
+        return (n.lock == 0 and n.parent is not None and holds(n)
+                and not any(holds(c) for c in n.children.values()))
+
+    heap = [(policy.key(n), n.serial, n) for n in index.nodes() if candidate(n)]
     heapq.heapify(heap)
     while heap:
         _, _, node = heapq.heappop(heap)
+        if not candidate(node):
+            continue
         parent = node.parent
         yield node
-        if (parent is not None and parent.is_leaf() and parent.lock == 0
-                and evictable(parent)):
+        if parent is not None and parent is not index.root and candidate(parent):
             heapq.heappush(heap, (policy.key(parent), parent.serial, parent))
 
 

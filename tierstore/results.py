@@ -39,6 +39,7 @@ class MatchResult:
     state: int | None
     lease: Lease | None
     kv_pages_found: int  # consecutive KV pages present, before the hybrid rule cut
+    tiers: dict[str, int] = field(default_factory=dict)  # matched tokens by source tier
 
 
 @dataclass(frozen=True)

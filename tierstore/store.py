@@ -144,8 +144,10 @@ class TierStore(TierMovement):
         kv = [v for seg in path for v in seg.node.kv[: seg.pages]]
         swa = [v for seg in path for v in seg.node.swa[: seg.pages]]
         state = node.state if self.layout.state is not None else None
+        tiers = {f"l{t}": sources[t] * page for t in (1, 2, 3)}
         return MatchResult(pages * page, pages, torch.tensor(kv, dtype=torch.long),
-                           torch.tensor(swa, dtype=torch.long), state, Lease(node, self), found)
+                           torch.tensor(swa, dtype=torch.long), state, Lease(node, self), found,
+                           tiers)
 
     def peek(self, tokens: object, namespace: str = "default", *, tiers: tuple[int, ...] = (1,)
              ) -> int:

@@ -211,3 +211,27 @@ def test_idle_prefixes_are_demoted_proactively() -> None:
     assert s.peek(tokens(1) + [7], tiers=(2,)) == PREFIX
     assert_served(s, 1, a)
     assert_served(s, 2, b)
+
+
+def test_multi_turn_conversations_keep_hitting_through_tiers(redis_url: str) -> None:
+    """Regression: a node whose children already left L1 must itself stay evictable, or L1
+    fills with such parents and every later allocation fails."""
+    s = make(redis_url, l1=4, l2=6)  # L1 fits one conversation's longest turn, not all 7
+    convs = [tokens(i) for i in range(1, 8)]
+    g = torch.Generator().manual_seed(5)
+    for turn in range(4):
+        for conv in convs:
+            m = s.match([*conv, 7])
+            if turn:
+                assert m.tokens == len(conv), f"turn {turn}: {m.tokens} of {len(conv)}"
+            if m.lease is not None:
+                s.release(m.lease)
+            conv += list(range(conv[-1] + 1, conv[-1] + 9))
+            pages = len(conv) // PAGE
+            data = {k: torch.randint(0, 256, (n, UNITS[k]), dtype=torch.uint8, generator=g)
+                    for k, n in (("kv", pages), ("swa", 2), ("state", 1))}
+            assert s.insert(conv, **data).stored
+        s.check_integrity()
+    st = s.stats()
+    assert st.hit_requests["l2"] and st.hit_requests["l3"]
+    s.close()

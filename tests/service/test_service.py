@@ -1,0 +1,259 @@
+"""End to end through the real HTTP server (and a real redis-server behind the storage API)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+import msgpack
+import pytest
+import torch
+
+from remote_tier import RemoteTierConfig, RemoteUnavailable
+from tierstore.client import AsyncClient, Client, ServiceError
+from tierstore.config import StoreConfig
+from tierstore.service.config import ServiceConfig
+from tierstore.store import TierStore
+from tierstore.testing.redis_server import RedisServer, RedisUnavailableError, redis_binary
+from tierstore.testing.reference_model import tiny_layout
+from tierstore.testing.service import RunningService, free_port
+
+LAYOUT = tiny_layout(page_size=4)
+UNITS = {k: e.nbytes for k, e in LAYOUT.envelopes().items()}
+TOKEN = "s3cret-token"
+
+
+def new_store(**kwargs: object) -> TierStore:
+    return TierStore(LAYOUT, StoreConfig(capacity_bytes=1 << 20, **kwargs))  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def redis() -> Iterator[RedisServer]:
+    try:
+        redis_binary()
+    except RedisUnavailableError as exc:
+        pytest.skip(str(exc))
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+def svc(redis: RedisServer) -> Iterator[RunningService]:
+    redis.command("FLUSHALL")
+    config = ServiceConfig(port=free_port(), max_tokens=4096, max_batch=64,
+                           max_body_bytes=4 << 20, lease_ttl_s=0.5, kv_host_bytes=4096)
+    kv_remote = RemoteTierConfig(url=redis.url, key_prefix="tskv")
+    with RunningService(new_store(host_capacity_bytes=1 << 20), config, kv_remote) as running:
+        yield running
+
+
+@pytest.fixture
+def client(svc: RunningService) -> Iterator[Client]:
+    with Client(svc.url, retries=0) as c:
+        yield c
+
+
+def envelopes(seed: int, pages: int = 4) -> dict[str, object]:
+    g = torch.Generator().manual_seed(seed)
+
+    def blobs(kind: str, n: int) -> list[bytes]:
+        return [torch.randint(0, 256, (UNITS[kind],), dtype=torch.uint8, generator=g)
+                .numpy().tobytes() for _ in range(n)]
+
+    return {"kv": blobs("kv", pages), "swa": blobs("swa", 2), "state": blobs("state", 1)[0]}
+
+
+def prompt(i: int, n: int = 16) -> list[int]:
+    return list(range(1000 * i, 1000 * i + n))
+
+
+def raw_post(url: str, path: str, body: bytes, content_type: str = "application/msgpack",
+             token: str | None = None) -> tuple[int, dict]:
+    request = urllib.request.Request(url + path, data=body, method="POST",
+                                     headers={"Content-Type": content_type})
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.loads(response.read() or b"{}")
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+# ------------------------------------------------------------------ prefix API
+def test_insert_match_fetch_bytes_identical(client: Client) -> None:
+    data = envelopes(1)
+    result = client.insert(prompt(1), kv=data["kv"], swa=data["swa"], state=data["state"])
+    assert result["stored"] and result["new_pages"] == 4 and result["checkpoint"]
+    m = client.match(prompt(1) + [5])
+    assert m["matched_tokens"] == 16 and m["checkpoint"] == 16 and m["tiers"]["l1"] == 16
+    got = client.fetch(prompt(1) + [5])
+    assert got["kv"] == data["kv"]
+    assert got["swa"][2:] == data["swa"] and got["swa"][:2] == [None, None]
+    assert got["state"] == data["state"]
+    assert client.fetch(prompt(1) + [5], "other-tenant")["matched_tokens"] == 0
+
+
+def test_json_bodies_and_token_lists_work(svc: RunningService) -> None:
+    status, body = raw_post(svc.url, "/v1/match", json.dumps(
+        {"tokens": prompt(3), "namespace": "default"}).encode(), "application/json")
+    assert status == 200 and body["matched_tokens"] == 0
+
+
+def test_leases_lock_until_released_or_expired(client: Client, svc: RunningService) -> None:
+    data = envelopes(2)
+    client.insert(prompt(2), kv=data["kv"], swa=data["swa"], state=data["state"])
+    m = client.match(prompt(2) + [1], lock=True)
+    assert m["lease"] is not None and client.stats()["service"]["leases"] == 1
+    client.release(m["lease"])
+    with pytest.raises(ServiceError) as err:
+        client.release(m["lease"])
+    assert err.value.status == 404
+    m = client.match(prompt(2) + [1], lock=True)
+    deadline = time.monotonic() + 5
+    while client.stats()["service"]["leases"]:
+        assert time.monotonic() < deadline, "lease never expired"
+        time.sleep(0.1)
+    svc.service.store.check_integrity()
+
+
+# ------------------------------------------------------------------ errors
+@pytest.mark.parametrize(
+    ("path", "body", "status", "error"),
+    [
+        ("/v1/match", b"\xc1\xc1not msgpack", 400, "malformed_body"),
+        ("/v1/match", msgpack.packb({"namespace": "x"}), 400, "missing_field"),
+        ("/v1/match", msgpack.packb({"tokens": ["a", "b"]}), 400, "bad_tokens"),
+        ("/v1/match", msgpack.packb({"tokens": [1, 2], "namespace": "bad ns"}), 400,
+         "bad_namespace"),
+        ("/v1/match", msgpack.packb({"tokens": list(range(5000))}), 413, "too_many_tokens"),
+        ("/v1/insert", msgpack.packb({"tokens": list(range(8)), "kv": [b"x" * 10, b"y" * 10]}),
+         422, "wrong_shape"),
+        ("/v1/insert", msgpack.packb({"tokens": list(range(8)), "kv": [b"\0" * UNITS["kv"]]}),
+         422, "wrong_shape"),
+        ("/v1/release", msgpack.packb({"lease": 12345}), 404, "unknown_lease"),
+        ("/v1/storage/batch_set", msgpack.packb({"keys": ["a"] * 65, "values": [b"v"] * 65}),
+         413, "batch_too_large"),
+        ("/v1/storage/batch_set", msgpack.packb({"keys": ["a b"], "values": [b"v"]}), 400,
+         "bad_key"),
+        ("/v1/storage/batch_set", msgpack.packb({"keys": ["a", "b"], "values": [b"v"]}), 422,
+         "wrong_shape"),
+        ("/v1/nope", msgpack.packb({}), 404, "not_found"),
+    ],
+)
+def test_errors_are_json_and_change_nothing(svc: RunningService, path: str, body: bytes,
+                                            status: int, error: str) -> None:
+    store = svc.service.store
+    before = (store.index.num_pages, {k: store.arena.num_live(k) for k in store.kinds},
+              svc.service.kv.stats()["host_keys"])
+    got_status, got = raw_post(svc.url, path, body)
+    assert (got_status, got["error"]) == (status, error), got
+    assert got["detail"]
+    after = (store.index.num_pages, {k: store.arena.num_live(k) for k in store.kinds},
+             svc.service.kv.stats()["host_keys"])
+    assert before == after
+
+
+def test_body_over_the_limit_is_413(svc: RunningService) -> None:
+    status, body = raw_post(svc.url, "/v1/storage/batch_set",
+                            msgpack.packb({"keys": ["k"], "values": [b"x" * (5 << 20)]}))
+    assert status == 413 and body["error"] == "body_too_large"
+
+
+def test_unsupported_media_type_is_400(svc: RunningService) -> None:
+    status, body = raw_post(svc.url, "/v1/match", b"tokens=1", "text/plain")
+    assert status == 400 and body["error"] == "unsupported_media_type"
+
+
+def test_tier_unavailable_is_503_and_the_client_retries(svc: RunningService,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+
+    def down(*args: object, **kwargs: object) -> None:
+        calls.append(1)
+        raise RemoteUnavailable("redis 127.0.0.1:1: connection refused")
+
+    monkeypatch.setattr(svc.service.store, "match", down)
+    status, body = raw_post(svc.url, "/v1/match", msgpack.packb({"tokens": [1, 2]}))
+    assert status == 503 and body["error"] == "tier_unavailable"
+    with Client(svc.url, retries=2, backoff_s=0.01) as c, pytest.raises(ServiceError):
+        c.match([1, 2])
+    assert len(calls) == 1 + 3  # the raw post, then the client's first try and two retries
+
+
+def test_auth_token_required_everywhere_but_healthz(redis: RedisServer) -> None:
+    config = ServiceConfig(port=free_port(), auth_token=TOKEN)
+    with RunningService(new_store(), config) as svc:
+        status, body = raw_post(svc.url, "/v1/match", msgpack.packb({"tokens": [1]}))
+        assert status == 401 and body["error"] == "unauthorized"
+        status, _ = raw_post(svc.url, "/v1/match", msgpack.packb({"tokens": [1]}),
+                             token="wrong")
+        assert status == 401
+        with urllib.request.urlopen(svc.url + "/healthz", timeout=5) as r:
+            assert r.status == 200
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(svc.url + "/metrics", timeout=5)
+        assert err.value.code == 401
+        with Client(svc.url, token=TOKEN) as c:
+            assert c.match([1, 2, 3])["matched_tokens"] == 0
+            assert c.stats()["requests"] == 1
+
+
+# ------------------------------------------------------------------ storage API
+def test_storage_api_round_trip_prefix_exists_and_redis_backing(client: Client,
+                                                                svc: RunningService) -> None:
+    keys = [f"page-{i}" for i in range(6)]
+    values = [bytes([i]) * 1500 for i in range(6)]  # 9 KB > the 4 KB host copy: Redis holds it
+    assert client.batch_set(keys[:4], values[:4]) == [True] * 4
+    assert client.batch_exists(keys) == 4
+    assert client.batch_exists(["page-0", "page-9", "page-1"]) == 1
+    assert client.batch_get(keys[:5]) == [*values[:4], None]
+    assert client.batch_get(keys[:2], namespace="other") == [None, None]
+    assert client.batch_exists(keys, namespace="other") == 0
+    assert client.delete(keys[:2]) == 2
+    assert client.batch_exists(keys) == 0
+    assert client.batch_get(keys[2:4]) == values[2:4]
+
+
+# ------------------------------------------------------------------ concurrency, metrics
+def test_concurrent_clients(svc: RunningService) -> None:
+    async def worker(i: int) -> None:
+        async with AsyncClient(svc.url) as c:
+            data = envelopes(100 + i)
+            await c.insert(prompt(100 + i), kv=data["kv"], swa=data["swa"],  # type: ignore[arg-type]
+                           state=data["state"])  # type: ignore[arg-type]
+            for _ in range(5):
+                got = await c.fetch(prompt(100 + i) + [9])
+                assert got["kv"] == data["kv"] and got["state"] == data["state"]
+                await c.batch_set([f"w{i}-{_}"], [b"x" * 10])
+
+    async def main() -> None:
+        await asyncio.gather(*(worker(i) for i in range(8)))
+
+    asyncio.run(main())
+    stats = Client(svc.url).stats()
+    assert stats["requests_hit"] >= 40
+    svc.service.store.check_integrity()
+
+
+def test_metrics_openapi_and_stats(client: Client, svc: RunningService) -> None:
+    data = envelopes(7)
+    client.insert(prompt(7), kv=data["kv"], swa=data["swa"], state=data["state"])
+    client.match(prompt(7) + [1])
+    with urllib.request.urlopen(svc.url + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    for name in ("tierstore_hit_tokens_total", "tierstore_hit_rate", "tierstore_moved_bytes",
+                 "tierstore_arena_bytes", "tierstore_arena_band_edge_bytes",
+                 "tierstore_compaction_moves", "tierstore_evictions",
+                 "tierstore_request_seconds_bucket", "tierstore_leases_active"):
+        assert name in text, name
+    assert 'tierstore_hit_tokens_total{tier="l1"} 16.0' in text
+    with urllib.request.urlopen(svc.url + "/openapi.json", timeout=5) as r:
+        spec = json.loads(r.read())
+    assert "/v1/match" in spec["paths"] and "/v1/storage/batch_exists" in spec["paths"]
+    stats = client.stats()
+    assert stats["hit_tokens"]["l1"] == 16 and stats["service"]["model"] == "tiny-hybrid"

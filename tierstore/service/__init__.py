@@ -1,0 +1,1 @@
+"""The HTTP service around a TierStore (``tierstore serve``)."""

@@ -1,0 +1,318 @@
+"""The aiohttp application: prefix API, key-addressed storage API, stats, metrics, dashboard.
+
+One event loop; every call into the store runs on one worker thread (the store is not
+thread-safe, and its bulk copies must not block the loop). Errors are JSON
+``{"error", "detail"}``; a rejected request changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import hmac
+import logging
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from importlib import resources
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from remote_tier import RedisTier, RemoteTierConfig, RemoteUnavailable
+from tierstore.errors import LeaseError, NamespaceError, ShapeError, TokenError
+from tierstore.hashing import check_namespace
+from tierstore.layout import LayoutError
+from tierstore.service.codec import (
+    HTTPError,
+    blobs_field,
+    error_response,
+    field,
+    msgpack_response,
+    read_body,
+    stack,
+    tokens_field,
+)
+from tierstore.service.config import ServiceConfig
+from tierstore.service.kv import BadKeyError, KeyValueStore
+from tierstore.service.leases import LeaseTable
+from tierstore.service.metrics import Metrics
+from tierstore.store import TierStore
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+_STATUS: dict[type[Exception], tuple[int, str]] = {
+           TokenError: (400, "bad_tokens"), NamespaceError: (400, "bad_namespace"),
+           BadKeyError: (400, "bad_key"), ShapeError: (422, "wrong_shape"),
+           LayoutError: (422, "wrong_shape"), LeaseError: (404, "unknown_lease"),
+           RemoteUnavailable: (503, "tier_unavailable")}
+_MAPPED = tuple(_STATUS)
+
+
+class Service:
+    """Owns the store for the app's lifetime (the caller built it; :meth:`close` closes it)."""
+
+    def __init__(self, store: TierStore, config: ServiceConfig,
+                 kv_remote: RemoteTierConfig | None = None) -> None:
+        self.store = store
+        self.config = config
+        self.kv_remote = kv_remote
+        self.kv = KeyValueStore(config.kv_host_bytes, None)
+        self.leases = LeaseTable(config.lease_ttl_s)
+        self.metrics = Metrics()
+        self.requests: Counter[str] = Counter()
+        self.started = time.time()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="tierstore-store")
+
+    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run ``fn`` on the store's thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+
+    # ------------------------------------------------------------------ app
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.max_body_bytes,
+                              middlewares=[self._errors, self._timing, self._auth])
+        app.router.add_get("/healthz", self.healthz)
+        app.router.add_get("/metrics", self.metrics_handler)
+        app.router.add_get("/dashboard", self.dashboard)
+        app.router.add_get("/openapi.json", self.openapi)
+        app.router.add_get("/v1/stats", self.stats)
+        app.router.add_post("/v1/match", self.match)
+        app.router.add_post("/v1/fetch", self.fetch)
+        app.router.add_post("/v1/insert", self.insert)
+        app.router.add_post("/v1/release", self.release)
+        app.router.add_post("/v1/storage/batch_set", self.batch_set)
+        app.router.add_post("/v1/storage/batch_get", self.batch_get)
+        app.router.add_post("/v1/storage/batch_exists", self.batch_exists)
+        app.router.add_post("/v1/storage/delete", self.delete)
+        app.cleanup_ctx.append(self._lifecycle)
+        return app
+
+    async def _lifecycle(self, app: web.Application) -> AsyncIterator[None]:
+        if self.kv_remote is not None:
+            self.kv.remote = await RedisTier.connect(self.kv_remote)
+        reaper = asyncio.create_task(self._reap_leases())
+        log.info("service up: L1 %.1f MiB on %s, L2 %s, L3 %s", self.store.arena.capacity_bytes
+                 / 2**20, self.store.arena.device, "on" if self.store.host else "off",
+                 "on" if self.store.remote else "off")
+        yield
+        reaper.cancel()
+        if self.kv.remote is not None:
+            await self.kv.remote.aclose()
+        await self.run(self.store.close)
+        self._executor.shutdown(wait=True)
+
+    async def _reap_leases(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.config.lease_ttl_s / 4))
+            for lease in self.leases.expired():
+                await self.run(self.store.release, lease)
+
+    # ------------------------------------------------------------------ middlewares
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except HTTPError as exc:
+            return error_response(exc.status, exc.error, exc.detail)
+        except web.HTTPRequestEntityTooLarge as exc:
+            return error_response(413, "body_too_large", exc.text or "request body too large")
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return error_response(exc.status, exc.reason.lower().replace(" ", "_"),
+                                  f"{request.method} {request.path}: {exc.reason}")
+        except _MAPPED as exc:
+            status, error = next(v for k, v in _STATUS.items() if isinstance(exc, k))
+            return error_response(status, error, str(exc))
+        except Exception:
+            log.exception("%s %s failed", request.method, request.path)
+            return error_response(500, "internal_error", "see the service log")
+
+    @web.middleware
+    async def _timing(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        start = time.perf_counter()
+        status = 500
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        finally:
+            route = request.match_info.route.resource
+            endpoint = route.canonical if route is not None else "unmatched"
+            self.requests[endpoint] += 1
+            self.metrics.latency.labels(endpoint, str(status)).observe(
+                time.perf_counter() - start)
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        token = self.config.auth_token
+        if token is not None and request.path != "/healthz":
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+                raise HTTPError(401, "unauthorized", "a valid 'Authorization: Bearer' token is "
+                                                     "required")
+        return await handler(request)
+
+    # ------------------------------------------------------------------ control
+    async def healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def stats(self, request: web.Request) -> web.Response:
+        return web.json_response(await self._stats())
+
+    async def _stats(self) -> dict[str, Any]:
+        snapshot = await self.run(self.store.stats)
+        body = dataclasses.asdict(snapshot)
+        body["hit_rate"] = snapshot.hit_rate
+        body["service"] = {"uptime_s": time.time() - self.started, "leases": len(self.leases),
+                           "requests": dict(self.requests), "kv": self.kv.stats(),
+                           "model": self.store.layout.name, "page_size":
+                           self.store.layout.page_size,
+                           "envelope_bytes": {k: e.nbytes for k, e in
+                                              self.store.layout.envelopes().items()}}
+        body["time"] = time.time()
+        return body
+
+    async def metrics_handler(self, request: web.Request) -> web.Response:
+        self.metrics.store.snapshot = await self.run(self.store.stats)
+        self.metrics.store.extra = {"leases_active": len(self.leases),
+                                    "kv_host_bytes": self.kv.stats()["host_bytes"]}
+        body = generate_latest(self.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def dashboard(self, request: web.Request) -> web.Response:
+        page = resources.files("tierstore.service").joinpath("static/dashboard.html")
+        return web.Response(text=page.read_text(encoding="utf-8"), content_type="text/html")
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        spec = resources.files("tierstore.service").joinpath("openapi.json")
+        return web.Response(text=spec.read_text(encoding="utf-8"),
+                            content_type="application/json")
+
+    # ------------------------------------------------------------------ prefix API
+    async def match(self, request: web.Request) -> web.Response:
+        body = await read_body(request)
+        tokens = tokens_field(body, self.config.max_tokens)
+        namespace = check_namespace(field(body, "namespace", str, default="default"))
+        lock = field(body, "lock", bool, default=False)
+        priority = field(body, "priority", int, default=0)
+
+        def work() -> tuple[Any, int | None]:
+            result = self.store.match(tokens, namespace, priority=priority)
+            lease_id = None
+            if result.lease is not None:
+                if lock:
+                    lease_id = self.leases.add(result.lease)
+                else:
+                    self.store.release(result.lease)
+            return result, lease_id
+
+        result, lease_id = await self.run(work)
+        return web.json_response({
+            "matched_tokens": result.tokens, "pages": result.pages,
+            "checkpoint": result.tokens if result.state is not None else None,
+            "kv_pages_found": result.kv_pages_found, "tiers": result.tiers, "lease": lease_id})
+
+    async def fetch(self, request: web.Request) -> web.Response:
+        body = await read_body(request)
+        tokens = tokens_field(body, self.config.max_tokens)
+        namespace = check_namespace(field(body, "namespace", str, default="default"))
+        return msgpack_response(await self.run(self._fetch, tokens, namespace))
+
+    def _fetch(self, tokens: Any, namespace: str) -> dict[str, Any]:
+        """Match (promoting into L1), copy the envelopes out, release. Store thread."""
+        store = self.store
+        result = store.match(tokens, namespace)
+        try:
+            kv = _rows(store.arena.read("kv", result.kv)) if "kv" in store.kinds else []
+            swa: list[bytes | None] = []
+            if "swa" in store.kinds:
+                present = [int(i) for i in result.swa if i >= 0]
+                rows = iter(_rows(store.arena.read("swa", present)) if present else [])
+                swa = [next(rows) if i >= 0 else None for i in result.swa.tolist()]
+            state = None
+            if result.state is not None:
+                state = _rows(store.arena.read("state", [result.state]))[0]
+        finally:
+            if result.lease is not None:
+                store.release(result.lease)
+        return {"matched_tokens": result.tokens, "pages": result.pages,
+                "checkpoint": result.tokens if result.state is not None else None,
+                "tiers": result.tiers, "kv": kv, "swa": swa, "state": state}
+
+    async def insert(self, request: web.Request) -> web.Response:
+        body = await read_body(request)
+        tokens = tokens_field(body, self.config.max_tokens)
+        namespace = check_namespace(field(body, "namespace", str, default="default"))
+        envelopes = self.store.layout.envelopes()
+        given: dict[str, torch.Tensor | None] = {}
+        for kind in ("kv", "swa"):
+            blobs = blobs_field(body, kind, self.config.max_batch)
+            if blobs is not None and kind not in envelopes:
+                raise HTTPError(422, "wrong_shape", f"this layout has no {kind!r} envelopes")
+            given[kind] = None if blobs is None else torch.from_numpy(
+                stack(blobs, envelopes[kind].nbytes, kind))
+        state = field(body, "state", bytes, default=None)
+        if state is not None:
+            if "state" not in envelopes:
+                raise HTTPError(422, "wrong_shape", "this layout has no 'state' envelopes")
+            given["state"] = torch.from_numpy(stack([state], envelopes["state"].nbytes,
+                                                    "state"))
+        result = await self.run(self.store.insert, tokens, namespace, kv=given.get("kv"),
+                                swa=given.get("swa"), state=given.get("state"))
+        return web.json_response(dataclasses.asdict(result))
+
+    async def release(self, request: web.Request) -> web.Response:
+        body = await read_body(request)
+        lease_id = field(body, "lease", int)
+        lease = self.leases.pop(lease_id)
+        if lease is None:
+            raise HTTPError(404, "unknown_lease", f"lease {lease_id} is not held (released, "
+                                                  f"expired after {self.config.lease_ttl_s} s, "
+                                                  f"or never issued)")
+        await self.run(self.store.release, lease)
+        return web.json_response({"released": True})
+
+    # ------------------------------------------------------------------ storage API
+    def _keys(self, body: dict[str, Any]) -> list[str]:
+        keys = field(body, "keys", list)
+        if len(keys) > self.config.max_batch:
+            raise HTTPError(413, "batch_too_large", f"{len(keys)} keys exceed the limit of "
+                                                    f"{self.config.max_batch}")
+        namespace = check_namespace(field(body, "namespace", str, default="default"))
+        return [self.kv.key(namespace, k) for k in keys]
+
+    async def batch_set(self, request: web.Request) -> web.Response:
+        body = await read_body(request)
+        keys = self._keys(body)
+        values = blobs_field(body, "values", self.config.max_batch, required=True)
+        assert values is not None
+        if len(values) != len(keys):
+            raise HTTPError(422, "wrong_shape", f"{len(keys)} keys but {len(values)} values")
+        return web.json_response({"stored": await self.kv.batch_set(keys, values)})
+
+    async def batch_get(self, request: web.Request) -> web.Response:
+        keys = self._keys(await read_body(request))
+        return msgpack_response({"values": await self.kv.batch_get(keys)})
+
+    async def batch_exists(self, request: web.Request) -> web.Response:
+        keys = self._keys(await read_body(request))
+        return web.json_response({"count": await self.kv.batch_exists(keys)})
+
+    async def delete(self, request: web.Request) -> web.Response:
+        keys = self._keys(await read_body(request))
+        return web.json_response({"deleted": await self.kv.delete(keys)})
+
+
+def _rows(data: torch.Tensor) -> list[bytes]:
+    array: np.ndarray = data.cpu().numpy()
+    return [row.tobytes() for row in array]

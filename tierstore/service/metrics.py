@@ -1,0 +1,101 @@
+"""Prometheus metrics, gathered at the edge: a collector over a stats snapshot, plus request
+latency histograms observed by the app's middleware."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from tierstore.results import StoreStats
+
+_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+
+
+class StoreCollector(Collector):
+    """Turns the latest ``StoreStats`` snapshot (set by the /metrics handler) into metrics."""
+
+    def __init__(self) -> None:
+        self.snapshot: StoreStats | None = None
+        self.extra: dict[str, Any] = {}
+
+    def collect(self) -> Iterator[Any]:
+        s = self.snapshot
+        if s is None:
+            return
+        tokens = CounterMetricFamily("tierstore_hit_tokens", "Prompt tokens served, by tier",
+                                     labels=["tier"])
+        for tier, n in s.hit_tokens.items():
+            tokens.add_metric([tier], n)
+        tokens.add_metric(["miss"], s.tokens_queried - s.tokens_hit)
+        yield tokens
+        requests = CounterMetricFamily("tierstore_hit_requests",
+                                       "Match requests by the deepest tier that served them",
+                                       labels=["tier"])
+        for tier, n in s.hit_requests.items():
+            requests.add_metric([tier], n)
+        yield requests
+        yield GaugeMetricFamily("tierstore_hit_rate", "Fraction of queried tokens served",
+                                value=s.hit_rate)
+        moved = CounterMetricFamily("tierstore_moved_bytes", "Bytes moved between tiers",
+                                    labels=["direction"])
+        for direction, n in s.moved_bytes.items():
+            moved.add_metric([direction], n)
+        yield moved
+        yield _evictions(s)
+        occupancy = GaugeMetricFamily("tierstore_arena_bytes", "Arena bytes by tier, pool, state",
+                                      labels=["tier", "pool", "state"])
+        edges = GaugeMetricFamily("tierstore_arena_band_edge_bytes", "Band edges (byte offsets)",
+                                  labels=["tier", "pool", "edge"])
+        moves = CounterMetricFamily("tierstore_compaction_moves", "Blocks moved by compaction",
+                                    labels=["tier"])
+        for tier, arena in (("l1", s.arena), ("l2", s.host)):
+            if arena is None:
+                continue
+            moves.add_metric([tier], arena.moves)
+            occupancy.add_metric([tier, "*", "gap"], arena.gap_bytes)
+            for pool, p in arena.pools.items():
+                for state, n in (("live", p.live_bytes), ("holes", p.hole_bytes),
+                                 ("pending", p.pending_bytes)):
+                    occupancy.add_metric([tier, pool, state], n)
+                edges.add_metric([tier, pool, "start"], p.band_start)
+                edges.add_metric([tier, pool, "end"], p.band_end)
+        yield occupancy
+        yield edges
+        yield moves
+        if s.remote is not None:
+            errors = CounterMetricFamily("tierstore_redis_errors", "Redis errors by kind",
+                                         labels=["kind"])
+            for kind, n in dict(s.remote.get("errors", {})).items():  # type: ignore[call-overload]
+                errors.add_metric([kind], n)
+            yield errors
+            circuit = GaugeMetricFamily("tierstore_redis_circuit_open",
+                                        "1 while a node's circuit breaker is not closed",
+                                        labels=["node"])
+            for node, state in dict(s.remote.get("breakers", {})).items():  # type: ignore[call-overload]
+                circuit.add_metric([node], 0.0 if "closed" in str(state).lower() else 1.0)
+            yield circuit
+        for name, value in self.extra.items():
+            yield GaugeMetricFamily(f"tierstore_{name}", name.replace("_", " "), value=value)
+
+
+def _evictions(s: StoreStats) -> CounterMetricFamily:
+    family = CounterMetricFamily("tierstore_evictions", "Leaves evicted (demoted) from L1",
+                                 labels=["rule"])
+    family.add_metric([s.rule], s.evictions)
+    return family
+
+
+class Metrics:
+    """The service's registry: store metrics plus per-endpoint latency."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.store = StoreCollector()
+        self.registry.register(self.store)
+        self.latency = Histogram("tierstore_request_seconds", "Request latency by endpoint",
+                                 ["endpoint", "status"], buckets=_BUCKETS,
+                                 registry=self.registry)

@@ -1,0 +1,113 @@
+"""``tierstore serve``: build a store from flags and run the HTTP service until interrupted."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shutil
+from contextlib import ExitStack
+
+import torch
+from aiohttp import web
+
+from remote_tier import RemoteTierConfig
+from tierstore.config import StoreConfig
+from tierstore.layout import ModelLayout, layout_from_config, load_config, load_preset
+from tierstore.service.app import Service
+from tierstore.service.config import ServiceConfig
+from tierstore.settings import environment, parse_size
+from tierstore.store import TierStore
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
+    parser.add_argument("--port", type=int, default=8080)
+    model = parser.add_mutually_exclusive_group()
+    model.add_argument("--model", default="qwen3-next-80b-a3b", help="layout preset")
+    model.add_argument("--model-config", help="a Hugging Face config.json instead of a preset")
+    parser.add_argument("--page-size", type=int, default=64, help="tokens per page")
+    parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    parser.add_argument("--l1", default="auto",
+                        help="GPU arena size (auto: 1GiB on CPU, half the free memory on CUDA)")
+    parser.add_argument("--l2", default="2GiB", help="host tier size (0 turns it off)")
+    parser.add_argument("--redis-url", default=None,
+                        help="Redis for L3 (default: a private redis-server if one is on PATH)")
+    parser.add_argument("--no-redis", action="store_true", help="run without L3")
+    parser.add_argument("--auth-token", default=None,
+                        help="bearer token required on every endpoint but /healthz "
+                             "(or TIERSTORE_AUTH_TOKEN)")
+    parser.add_argument("--eviction", choices=["lru", "lfu", "priority"], default="lru")
+    parser.add_argument("--write-policy", default="write_back",
+                        choices=["write_back", "write_through", "write_through_selective"])
+    parser.add_argument("--max-body", default="1GiB", help="largest request body")
+    parser.add_argument("--lease-ttl", type=float, default=30.0, help="seconds a lease lives")
+
+
+def _layout(args: argparse.Namespace) -> ModelLayout:
+    if args.model_config:
+        return layout_from_config(load_config(args.model_config), page_size=args.page_size)
+    return load_preset(args.model, page_size=args.page_size)
+
+
+def _device(args: argparse.Namespace) -> str:
+    if args.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return str(args.device)
+
+
+def _l1_bytes(args: argparse.Namespace, device: str) -> int:
+    if args.l1 != "auto":
+        return parse_size(args.l1) // 256 * 256
+    if device == "cuda":
+        free, _ = torch.cuda.mem_get_info()
+        return free // 2 // 256 * 256
+    return 1 << 30
+
+
+def build(args: argparse.Namespace, stack: ExitStack) -> tuple[Service, ServiceConfig]:
+    """The service for ``args``; a private redis-server, if started, is closed by ``stack``."""
+    env = environment()
+    layout = _layout(args)
+    device = _device(args)
+    redis_url = args.redis_url or env.redis_url
+    if redis_url is None and not args.no_redis:
+        if shutil.which("redis-server"):
+            from tierstore.testing.redis_server import RedisServer
+
+            server = stack.enter_context(RedisServer())
+            redis_url = server.url
+            log.info("L3: started a private redis-server at %s (stopped on exit)", redis_url)
+        else:
+            log.info("L3 off: no --redis-url and no redis-server on PATH")
+    if args.no_redis:
+        redis_url = None
+    largest = max(e.nbytes for e in layout.envelopes().values())
+    max_value = min(512 << 20, max(64 << 20, largest + (64 << 10)))
+    remote = RemoteTierConfig(url=redis_url, key_prefix="ts", max_value_bytes=max_value) \
+        if redis_url else None
+    config = StoreConfig(capacity_bytes=_l1_bytes(args, device), device=device,
+                         eviction=args.eviction, write_policy=args.write_policy,
+                         host_capacity_bytes=parse_size(args.l2) // 256 * 256, remote=remote)
+    store = TierStore(layout, config)
+    service_config = ServiceConfig(host=args.host, port=args.port,
+                                   auth_token=args.auth_token or env.auth_token,
+                                   max_body_bytes=parse_size(args.max_body),
+                                   lease_ttl_s=args.lease_ttl)
+    kv_remote = RemoteTierConfig(url=redis_url, key_prefix="tskv", max_value_bytes=max_value) \
+        if redis_url else None
+    return Service(store, service_config, kv_remote), service_config
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run until SIGINT/SIGTERM; returns the exit code."""
+    logging.basicConfig(level=environment().log_level,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    with ExitStack() as stack:
+        service, config = build(args, stack)
+        log.info("tierstore serving %s on http://%s:%d (dashboard: /dashboard)",
+                 service.store.layout.name, config.host, config.port)
+        web.run_app(service.app(), host=config.host, port=config.port, print=None,
+                    access_log=None)
+    return 0
