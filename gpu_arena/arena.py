@@ -171,6 +171,17 @@ class Arena:
         slots = p.loc[self._ids(p, ids)].to(self.device)
         return self._slot_view(p).index_select(0, slots)
 
+    def rows(self, pool: str, ids: IdsLike) -> list[torch.Tensor]:
+        """The blocks' bytes without copying where possible: one ``[unit_bytes]`` view per id on
+        a CPU arena (valid until the block moves or is freed: use it before the next arena
+        call, or under a fence), one host copy split into rows on CUDA."""
+        p = self._pool(pool)
+        slots = p.loc[self._ids(p, ids)]
+        view = self._slot_view(p)
+        if self.device.type == "cuda":
+            return list(view.index_select(0, slots.to(self.device)).cpu())
+        return [view[int(s)] for s in slots]
+
     def write(self, pool: str, ids: IdsLike, data: torch.Tensor) -> None:
         """Overwrite the blocks' bytes with ``data`` (``[n, unit_bytes]`` uint8, any device)."""
         p = self._pool(pool)

@@ -19,7 +19,6 @@ from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
 from typing import Any, TypeVar
 
-import numpy as np
 import torch
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -29,10 +28,12 @@ from tierstore.errors import LeaseError, NamespaceError, ShapeError, TokenError
 from tierstore.hashing import check_namespace
 from tierstore.layout import LayoutError
 from tierstore.service.codec import (
+    MSGPACK,
     HTTPError,
     blobs_field,
     error_response,
     field,
+    msgpack_chunks,
     msgpack_response,
     read_body,
     stack,
@@ -157,6 +158,8 @@ class Service:
         token = self.config.auth_token
         if token is not None and request.path != "/healthz":
             given = request.headers.get("Authorization", "")
+            if request.path == "/dashboard" and "token" in request.query:
+                given = f"Bearer {request.query['token']}"  # a browser opening the page
             if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
                 raise HTTPError(401, "unauthorized", "a valid 'Authorization: Bearer' token is "
                                                      "required")
@@ -222,32 +225,56 @@ class Service:
             "checkpoint": result.tokens if result.state is not None else None,
             "kv_pages_found": result.kv_pages_found, "tiers": result.tiers, "lease": lease_id})
 
-    async def fetch(self, request: web.Request) -> web.Response:
+    async def fetch(self, request: web.Request) -> web.StreamResponse:
         body = await read_body(request)
         tokens = tokens_field(body, self.config.max_tokens)
         namespace = check_namespace(field(body, "namespace", str, default="default"))
-        return msgpack_response(await self.run(self._fetch, tokens, namespace))
+        chunks, done = await self.run(self._fetch, tokens, namespace)
+        try:
+            response = web.StreamResponse(headers={"Content-Type": MSGPACK})
+            response.content_length = sum(len(c) if isinstance(c, bytes) else c.nbytes
+                                          for c in chunks)
+            await response.prepare(request)
+            for chunk in chunks:
+                await response.write(chunk)
+            await response.write_eof()
+            return response
+        finally:
+            await self.run(done)
 
-    def _fetch(self, tokens: Any, namespace: str) -> dict[str, Any]:
-        """Match (promoting into L1), copy the envelopes out, release. Store thread."""
+    def _fetch(self, tokens: Any, namespace: str) -> tuple[list[Any], Callable[[], None]]:
+        """Match (promoting into L1) and describe the response as chunks that point straight
+        into the arena's rows. Read fences keep those rows in place (no compaction move, no
+        reuse) and the lease keeps them cached until ``done`` runs on the store thread."""
         store = self.store
         result = store.match(tokens, namespace)
+        fences = []
+        views: dict[str, list[memoryview]] = {}
         try:
-            kv = _rows(store.arena.read("kv", result.kv)) if "kv" in store.kinds else []
-            swa: list[bytes | None] = []
-            if "swa" in store.kinds:
-                present = [int(i) for i in result.swa if i >= 0]
-                rows = iter(_rows(store.arena.read("swa", present)) if present else [])
-                swa = [next(rows) if i >= 0 else None for i in result.swa.tolist()]
-            state = None
-            if result.state is not None:
-                state = _rows(store.arena.read("state", [result.state]))[0]
-        finally:
-            if result.lease is not None:
-                store.release(result.lease)
-        return {"matched_tokens": result.tokens, "pages": result.pages,
-                "checkpoint": result.tokens if result.state is not None else None,
-                "tiers": result.tiers, "kv": kv, "swa": swa, "state": state}
+            for kind, ids in (("kv", result.kv.tolist()),
+                              ("swa", [i for i in result.swa.tolist() if i >= 0]),
+                              ("state", [] if result.state is None else [result.state])):
+                if ids and kind in store.kinds:
+                    fences.append(store.arena.fence(kind, ids, "read"))
+                    views[kind] = _views(store.arena.rows(kind, ids))
+            swa_rows = iter(views.get("swa", []))
+            payload = {"matched_tokens": result.tokens, "pages": result.pages,
+                       "checkpoint": result.tokens if result.state is not None else None,
+                       "tiers": result.tiers, "kv": views.get("kv", []),
+                       "swa": [next(swa_rows) if i >= 0 else None for i in result.swa.tolist()],
+                       "state": views["state"][0] if "state" in views else None}
+            chunks = msgpack_chunks(payload)
+        except BaseException:
+            self._fetched(result.lease, fences)
+            raise
+
+        return chunks, functools.partial(self._fetched, result.lease, fences)
+
+    def _fetched(self, lease: Any, fences: list[Any]) -> None:
+        for fence in fences:
+            fence.complete()
+        if lease is not None:
+            self.store.release(lease)
 
     async def insert(self, request: web.Request) -> web.Response:
         body = await read_body(request)
@@ -313,6 +340,5 @@ class Service:
         return web.json_response({"deleted": await self.kv.delete(keys)})
 
 
-def _rows(data: torch.Tensor) -> list[bytes]:
-    array: np.ndarray = data.cpu().numpy()
-    return [row.tobytes() for row in array]
+def _views(rows: list[torch.Tensor]) -> list[memoryview]:
+    return [memoryview(row.numpy()) for row in rows]

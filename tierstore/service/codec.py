@@ -97,5 +97,33 @@ def stack(blobs: list[bytes], unit: int, name: str) -> np.ndarray:
     return out
 
 
+def bin_header(length: int) -> bytes:
+    """The msgpack header of a bin object of ``length`` bytes (its payload follows it)."""
+    if length < 1 << 8:
+        return b"\xc4" + length.to_bytes(1, "big")
+    if length < 1 << 16:
+        return b"\xc5" + length.to_bytes(2, "big")
+    return b"\xc6" + length.to_bytes(4, "big")
+
+
+def msgpack_chunks(payload: dict[str, Any]) -> list[Any]:
+    """``payload`` as msgpack, in chunks: scalars packed, bytes-like values (and lists of them,
+    None allowed) passed through as-is after their headers — nothing large is copied. The
+    chunks concatenated equal ``msgpack.packb(payload)``."""
+    packer = msgpack.Packer(use_bin_type=True)
+    chunks: list[Any] = [packer.pack_map_header(len(payload))]
+    for key, value in payload.items():
+        chunks.append(packer.pack(key))
+        if isinstance(value, list) and any(isinstance(v, (bytes, memoryview)) for v in value):
+            chunks.append(packer.pack_array_header(len(value)))
+            for item in value:
+                chunks += [packer.pack(None)] if item is None else [bin_header(len(item)), item]
+        elif isinstance(value, memoryview):
+            chunks += [bin_header(value.nbytes), value]
+        else:
+            chunks.append(packer.pack(value))
+    return chunks
+
+
 def msgpack_response(payload: dict[str, Any]) -> web.Response:
     return web.Response(body=msgpack.packb(payload, use_bin_type=True), content_type=MSGPACK)
