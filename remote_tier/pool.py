@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Sequence
 
 from remote_tier.breaker import CircuitBreaker
 from remote_tier.config import Endpoint, RemoteTierConfig
+from remote_tier.errors import RemoteUnavailable
 from remote_tier.resp import RespConnection
 
 log = logging.getLogger(__name__)
@@ -22,12 +24,12 @@ def _retrieve(task: asyncio.Task[RespConnection]) -> None:
 
 
 class NodePool:
-    """Up to ``config.connections`` multiplexed connections to ``host:port``, opened lazily.
+    """Up to ``config.connections`` connections to ``host:port``, opened lazily and checked
+    out by one batch at a time (``checkout`` / ``release``, released on ``BaseException``).
 
-    Connections are shared: callers pipeline on them concurrently rather than check them out,
-    so there is nothing to release; a failed connection is replaced on next use. Opening runs
-    in a task that callers await through ``shield``, so a cancelled caller never aborts a
-    connect another caller waits for (bookkeeping only — no lock is held across I/O).
+    A failed connection is replaced at its next checkout. Opening runs in a task awaited
+    through ``shield``, so a cancelled caller never aborts a connect in progress; the pool
+    keeps bookkeeping only — nothing waits on I/O while holding anything.
     """
 
     def __init__(
@@ -52,33 +54,70 @@ class NodePool:
         self._config = config
         self._endpoint = endpoint
         self._slots: list[_Slot] = [None] * config.connections
+        self._busy = [False] * config.connections
+        self._waiters: deque[asyncio.Future[None]] = deque()
 
     @property
     def size(self) -> int:
         """How many connections this pool may hold."""
         return len(self._slots)
 
-    async def acquire(self, count: int) -> list[RespConnection]:
-        """The ``count`` least busy connections (1 <= count <= size), opening missing ones
-        concurrently; ``RemoteUnavailable`` if one cannot be opened."""
-        assert 1 <= count <= len(self._slots), f"acquire({count}) of a pool of {self.size}"
-        chosen = sorted(range(len(self._slots)), key=self._load)[:count]
-        waits: list[RespConnection | asyncio.Task[RespConnection]] = []
+    async def checkout(self, count: int) -> list[tuple[int, RespConnection]]:
+        """Between 1 and ``count`` idle connections, each with its slot number, now in the
+        caller's sole use until ``release``; waits (first come, first served) while all are
+        busy, and opens missing ones concurrently. ``RemoteUnavailable`` if one cannot be
+        opened (nothing is then checked out).
+
+        One batch per connection at a time: with large values, several requests queued on
+        one connection make Redis buffer and trickle out replies, costing it about twice the
+        CPU per byte, and the client too.
+        """
+        assert count >= 1, f"checkout({count})"
+        while all(self._busy):
+            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter  # resolved by release() once a slot is free
+            except BaseException:
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
+                else:
+                    self._wake_next()  # the wake-up was ours: pass it on
+                raise
+        chosen = [i for i, busy in enumerate(self._busy) if not busy][:count]
         for i in chosen:
-            slot = self._slots[i]
-            if slot is None or (isinstance(slot, RespConnection) and slot.closed):
-                slot = asyncio.ensure_future(self._open(i))
-                slot.add_done_callback(_retrieve)
-                self._slots[i] = slot
-            waits.append(slot)
-        conns: list[RespConnection] = []
-        for item in waits:
-            conns.append(item if isinstance(item, RespConnection) else await asyncio.shield(item))
+            self._busy[i] = True
+        try:
+            waits: list[RespConnection | asyncio.Task[RespConnection]] = []
+            for i in chosen:
+                slot = self._slots[i]
+                if slot is None or (isinstance(slot, RespConnection) and slot.closed):
+                    slot = asyncio.ensure_future(self._open(i))
+                    slot.add_done_callback(_retrieve)
+                    self._slots[i] = slot
+                waits.append(slot)
+            conns: list[tuple[int, RespConnection]] = []
+            for i, item in zip(chosen, waits, strict=True):
+                conn = item if isinstance(item, RespConnection) else await asyncio.shield(item)
+                conns.append((i, conn))
+        except BaseException:
+            self.release(chosen)
+            raise
         return conns
 
-    def _load(self, i: int) -> int:
-        slot = self._slots[i]
-        return slot.num_pending if isinstance(slot, RespConnection) and not slot.closed else 0
+    def release(self, slots: Sequence[int]) -> None:
+        """Return checked-out slots and wake as many waiters."""
+        for i in slots:
+            assert self._busy[i], f"{self.address}: slot {i} released twice"
+            self._busy[i] = False
+            self._wake_next()
+
+    def _wake_next(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
 
     async def _open(self, i: int) -> RespConnection:
         ep = self._endpoint
@@ -101,8 +140,18 @@ class NodePool:
         """Connections currently open."""
         return sum(isinstance(s, RespConnection) and not s.closed for s in self._slots)
 
+    def check_integrity(self) -> None:
+        """Assert no waiter sleeps while a slot is free (a lost wake-up)."""
+        waiting = sum(not w.done() for w in self._waiters)
+        assert not waiting or all(self._busy), f"{self.address}: {waiting} wait, a slot is free"
+        assert 0 <= self.num_open() <= self.size, f"{self.address}: {self.num_open()} open"
+
     async def aclose(self) -> None:
-        """Drop every connection and cancel connects in progress."""
+        """Drop every connection, cancel connects in progress, fail waiting checkouts."""
+        waiters, self._waiters = self._waiters, deque()
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_exception(RemoteUnavailable("connection", "pool closed"))
         slots, self._slots = self._slots, [None] * len(self._slots)
         for slot in slots:
             if isinstance(slot, RespConnection):

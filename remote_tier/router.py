@@ -19,6 +19,8 @@ from remote_tier.transfer import execute, group_keys
 
 log = logging.getLogger(__name__)
 
+_SPREAD_UNIT = 1024 * 1024
+
 
 class Router:
     """The topology (standalone or cluster), one ``NodePool`` per node, and a breaker for
@@ -46,6 +48,18 @@ class Router:
             clock=clock,
             name="redis cluster slot map",
         )
+        self._value_bytes = 256.0 * 1024  # typical value size, learnt from reads
+
+    def note_values(self, num_values: int, num_bytes: int) -> None:
+        """Learn the typical value size from a read (a moving average)."""
+        if num_values:
+            self._value_bytes += (num_bytes / num_values - self._value_bytes) / 2
+
+    def _spread(self, num_keys: int, pool: NodePool) -> int:
+        """Connections to spread one read over: one per ``_SPREAD_UNIT`` expected bytes. Small
+        values gain nothing from more connections but cost a command and a wake-up each."""
+        expected = num_keys * self._value_bytes
+        return max(1, min(pool.size, round(expected / _SPREAD_UNIT)))
 
     def address_of(self, key: bytes) -> Address:
         """The node holding ``key`` (``RemoteUnavailable`` without a slot map)."""
@@ -94,11 +108,23 @@ class Router:
             log.warning("redis cluster slot map refresh failed: %s", exc)
 
     async def run_keyed(
-        self, command: str, keys_b: list[bytes], max_keys: int, sinks: list[BulkSink] | None
+        self,
+        command: str,
+        keys_b: list[bytes],
+        max_keys: int,
+        sinks: list[BulkSink] | None,
+        *,
+        reads_values: bool = False,
     ) -> list[tuple[list[int], Reply | Exception]]:
         """Run ``command`` over ``keys_b`` in groups of at most ``max_keys`` keys per node (one
         slot per group on a cluster), nodes concurrently; after a ``MOVED``, refresh the slot
-        map and rerun those groups once. One ``(key indexes, reply)`` per group."""
+        map and rerun those groups once. One ``(key indexes, reply)`` per group.
+
+        ``reads_values``: replies carry values of about the learnt typical size, so groups
+        and connections in flight are sized by bytes (``pipeline_bytes``), as writes are."""
+        window = self._config.pipeline_bytes
+        if reads_values:
+            max_keys = max(1, min(max_keys, int(window // max(self._value_bytes, 1.0))))
         done: list[tuple[list[int], Reply | Exception]] = []
         todo = list(range(len(keys_b)))
         for attempt in range(2):
@@ -115,17 +141,22 @@ class Router:
                 address: Address, idxs: list[int]
             ) -> list[tuple[list[int], Reply | Exception]]:
                 pool = self.pool(address)
+                spread = self._spread(len(idxs), pool) if reads_values else 1
                 groups = group_keys(
                     keys_b,
                     idxs,
                     cluster=self.topology.is_cluster,
                     max_keys=max_keys,
-                    spread=pool.size,
+                    spread=spread,
                 )
                 cmds: list[Sequence[Arg]] = [(command, *(keys_b[i] for i in g)) for g in groups]
                 cmd_sinks = None if sinks is None else [_group_sink(sinks, g) for g in groups]
+                costs = (
+                    [round(len(g) * self._value_bytes) for g in groups] if reads_values else None
+                )
+                owns = sinks is not None
                 got = await execute(
-                    pool, cmds, cmd_sinks, self._counters, owns_buffers=sinks is not None
+                    pool, cmds, cmd_sinks, self._counters, costs, window, spread, owns_buffers=owns
                 )
                 return list(zip(groups, got, strict=True))
 

@@ -156,6 +156,8 @@ class RedisTier:
         outs = None if out is None else [_writable(b) for b in out]
         if outs is not None and len(outs) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(outs)} output buffers")
+        if outs:  # the sizes to expect are known: size the batches by them
+            self._router.note_values(len(outs), sum(len(o) for o in outs))
         keys_b = [k.encode() for k in keys]
         sinks: list[BulkSink] = (
             [self._pooled_sink] * len(keys)
@@ -163,9 +165,10 @@ class RedisTier:
             else [_sink(pt, o) for pt, o in zip(parts, outs, strict=True)]
         )
         replies: list[Reply | Exception] = [None] * len(keys)
-        for group, reply in await self._router.run_keyed(
-            "MGET", keys_b, self.config.batch_keys, sinks
-        ):
+        grouped = await self._router.run_keyed(
+            "MGET", keys_b, self.config.batch_keys, sinks, reads_values=True
+        )
+        for group, reply in grouped:
             values = reply if isinstance(reply, list) and len(reply) == len(group) else None
             for pos, i in enumerate(group):
                 replies[i] = reply if values is None else values[pos]
@@ -180,7 +183,9 @@ class RedisTier:
         c = self._counters
         c.num_hits += hits
         c.num_misses += len(keys) - hits
-        c.bytes_in += sum(len(r) for r in results if r is not None)
+        num_bytes = sum(len(r) for r in results if r is not None)
+        c.bytes_in += num_bytes
+        self._router.note_values(hits, num_bytes)
         if corrupt:
             c.num_corrupt_deleted += await self._unlink(corrupt)
         return results
@@ -205,6 +210,16 @@ class RedisTier:
                     return found
                 found += 1
         return found
+
+    async def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        """Presence of each key, probed in one batch (an unreachable node reads absent)."""
+        self._check_open()
+        self._parse(keys)
+        present = [False] * len(keys)
+        keys_b = [k.encode() for k in keys]
+        for group, reply in await self._router.run_keyed("EXISTS", keys_b, 1, None):
+            present[group[0]] = reply == 1
+        return present
 
     async def delete_many(self, keys: Sequence[str]) -> int:
         """Delete ``keys`` (``UNLINK``); the number that existed. Unreachable nodes count 0."""
@@ -257,7 +272,7 @@ class RedisTier:
         assert all(v >= 0 for v in c.errors.values()), f"negative error count {c.errors}"
         for (host, port), pool in self._router.pools.items():
             assert pool.address == f"{host}:{port}", f"pool {pool.address} filed at {host}:{port}"
-            assert 0 <= pool.num_open() <= pool.size, f"{pool.address}: {pool.num_open()} open"
+            pool.check_integrity()
 
     # -- internals ------------------------------------------------------------------------------
 

@@ -65,12 +65,8 @@ class RemoteBridge:
         return self._run(self._tier.exists_prefix(keys), 0) if keys else 0
 
     def exists_each(self, keys: Sequence[str]) -> list[bool]:
-        """Presence of each key (probed concurrently)."""
-        async def probe() -> list[bool]:
-            found = await asyncio.gather(*(self._tier.exists_prefix([k]) for k in keys))
-            return [n == 1 for n in found]
-
-        return self._run(probe(), [False] * len(keys)) if keys else []
+        """Presence of each key (one batched probe)."""
+        return self._run(self._tier.exists_many(keys), [False] * len(keys)) if keys else []
 
     def ping(self) -> bool:
         """Whether Redis answers now (an open circuit answers False without I/O)."""

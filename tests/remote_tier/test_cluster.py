@@ -60,6 +60,7 @@ async def test_exists_prefix_and_delete_across_nodes(cluster: RedisCluster) -> N
     async with RedisTier(_config(cluster, batch_keys=7)) as tier:
         await tier.put_many([(k, b"v") for k in keys[:17] + keys[18:]])
         assert await tier.exists_prefix(keys) == 17
+        assert await tier.exists_many(keys) == [i != 17 for i in range(30)]
         assert await tier.delete_many(keys[:5]) == 5
         assert await tier.exists_prefix(keys) == 0
         assert await tier.exists_prefix(keys[5:]) == 12

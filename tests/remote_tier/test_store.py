@@ -50,6 +50,24 @@ async def test_round_trip_bytes_identical(tier: RedisTier) -> None:
     assert stats.bytes_in == 2 * sum(SIZES) and stats.bytes_out == sum(SIZES)
 
 
+@pytest.mark.parametrize("ordered", [True, False])
+async def test_one_call_moves_many_large_values_in_order(
+    server: RedisServer, ordered: bool
+) -> None:
+    config = RemoteTierConfig(url=server.url, key_prefix="t", ordered_writes=ordered)
+    payloads = [os.urandom((i % 5 + 1) * 300_000) for i in range(40)]
+    keys = [_key(i) for i in range(40)]
+    async with RedisTier(config) as tier:
+        assert await tier.put_many(list(zip(keys, payloads, strict=True))) == [True] * 40
+        for _ in range(2):  # the second read is sized by the value size learnt in the first
+            got = await tier.get_many(keys)
+            assert [g.tobytes() if g is not None else None for g in got] == payloads
+        outs = [bytearray(len(p)) for p in payloads]
+        await tier.get_many(keys, outs)
+        assert [bytes(o) for o in outs] == payloads
+        tier.check_integrity()
+
+
 async def test_put_accepts_buffers_without_copy_semantics_leaking(tier: RedisTier) -> None:
     arr = np.arange(1000, dtype=np.float32)
     buf = bytearray(b"abc" * 10)
@@ -109,6 +127,9 @@ async def test_exists_prefix_stops_at_first_miss(server: RedisServer) -> None:
         assert await tier.exists_prefix(keys[6:]) == 4
         await tier.put_many([(keys[5], b"v")])
         assert await tier.exists_prefix(keys) == 10
+        await tier.delete_many([keys[2], keys[7]])
+        assert await tier.exists_many(keys) == [i not in (2, 7) for i in range(10)]
+        assert await tier.exists_many([]) == []
 
 
 async def test_ttl_is_applied(server: RedisServer) -> None:
@@ -265,7 +286,7 @@ async def test_wrong_password_is_unavailable_not_raised(server: RedisServer) -> 
         assert tier.stats().errors["auth"] == 2
 
 
-async def test_many_concurrent_callers_share_connections(tier: RedisTier) -> None:
+async def test_callers_outnumbering_connections_take_turns(tier: RedisTier) -> None:
     payloads = {i: os.urandom(50_000 + i) for i in range(64)}
 
     async def caller(lo: int) -> None:

@@ -1,0 +1,187 @@
+"""Redis tier put/get MB/s vs redis-benchmark and plain redis-py, one server, one run.
+
+Starts its own ``redis-server`` on a free loopback port. For each value size it measures, in
+interleaved rounds:
+
+- ``redis-benchmark -t set,get -d SIZE -c CONNECTIONS --csv`` (the reference),
+- ``RedisTier.put_many`` / ``get_many`` (fresh buffers) / ``get_many(out=...)`` (received
+  straight into preallocated buffers), ``CALLERS`` concurrent callers of ``BATCH`` items,
+  the tier holding ``CONNECTIONS`` connections,
+- a plain single-connection redis-py asyncio ``SET``/``GET`` loop (the baseline).
+
+Every contender cycles over ``--keyspace-mb`` of keys created before timing (redis-benchmark
+overwrites one key), so the timed SETs overwrite. Each figure is the median of the rounds
+(a loopback benchmark on a shared machine is noisy; rounds are interleaved so noise hits
+every contender alike). MB/s is 10^6 bytes of value per second, headers excluded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import io
+import os
+import statistics
+import subprocess
+import time
+from collections.abc import Awaitable, Callable
+
+import redis.asyncio as aredis
+
+from remote_tier.config import RemoteTierConfig
+from remote_tier.keys import envelope_key
+from remote_tier.store import RedisTier
+from tierstore.bench._util import table
+from tierstore.testing.redis_server import RedisServer, redis_binary
+
+_PREFIX = "bench"
+_FP = "benchfp"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sizes", default="256K,1M,4M", help="value sizes, e.g. 256K,1M,4M")
+    parser.add_argument("--total-mb", type=int, default=512, help="MiB moved per measurement")
+    parser.add_argument(
+        "--keyspace-mb", type=int, default=64, help="MiB of distinct keys, cycled (overwritten)"
+    )
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (median)")
+    parser.add_argument("--connections", type=int, default=4, help="tier and benchmark conns")
+    parser.add_argument("--callers", type=int, default=4, help="concurrent tier callers")
+    parser.add_argument("--batch", type=int, default=4, help="items per put_many/get_many")
+
+
+def _parse_size(text: str) -> int:
+    text = text.strip().upper()
+    scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
+    return int(text.rstrip("KM")) * scale
+
+
+def run(args: argparse.Namespace) -> dict:
+    sizes = [_parse_size(s) for s in args.sizes.split(",")]
+    rows: list[dict[str, object]] = []
+    started = time.perf_counter()
+    with RedisServer() as server:
+        for size in sizes:
+            count = max(8, (args.total_mb << 20) // size)
+            samples: dict[str, list[float]] = {}
+            for _ in range(args.rounds):
+                figures = _redis_benchmark(server.port, size, count, args.connections)
+                figures.update(asyncio.run(_tier(server.url, size, count, args)))
+                figures.update(asyncio.run(_plain(server.url, size, count, args.keyspace_mb)))
+                server.command("FLUSHALL")
+                for name, value in figures.items():
+                    samples.setdefault(name, []).append(value)
+            best = {name: statistics.median(values) for name, values in samples.items()}
+            row: dict[str, object] = {"size_kib": size >> 10, **best}
+            row["samples"] = {name: [round(v) for v in values] for name, values in samples.items()}
+            row["put_vs_rb"] = best["tier_put"] / best["rb_set"]
+            row["get_vs_rb"] = best["tier_get"] / best["rb_get"]
+            row["get_into_vs_rb"] = best["tier_get_into"] / best["rb_get"]
+            row["put_vs_plain"] = best["tier_put"] / best["plain_set"]
+            row["get_vs_plain"] = best["tier_get"] / best["plain_get"]
+            row["plain_get_vs_rb"] = best["plain_get"] / best["rb_get"]
+            rows.append(row)
+    return {
+        "note": (
+            "redis-benchmark SETs/GETs one key (hot in cache); the tier and plain redis-py "
+            "cycle over keyspace_mb of keys"
+        ),
+        "keyspace_mb": args.keyspace_mb,
+        "unit": "MB/s (1e6 value bytes per second)",
+        "connections": args.connections,
+        "callers": args.callers,
+        "batch": args.batch,
+        "rounds": args.rounds,
+        "total_mb": args.total_mb,
+        "seconds": time.perf_counter() - started,
+        "rows": rows,
+    }
+
+
+def render(result: dict) -> str:
+    columns = ["size_kib", "rb_set", "tier_put", "plain_set", "put_vs_rb", "put_vs_plain"]
+    gets = ["size_kib", "rb_get", "tier_get", "tier_get_into", "plain_get"]
+    gets += ["get_vs_rb", "get_into_vs_rb", "get_vs_plain", "plain_get_vs_rb"]
+    head = (
+        f"Redis tier vs redis-benchmark (-c {result['connections']}) and plain redis-py, "
+        f"{result['unit']}; tier: {result['callers']} callers x {result['batch']} items, "
+        f"{result['connections']} connections; median of {result['rounds']} rounds, "
+        f"{result['seconds']:.0f} s"
+    )
+    return "\n\n".join([head, table(result["rows"], columns), table(result["rows"], gets)])
+
+
+def _redis_benchmark(port: int, size: int, count: int, connections: int) -> dict[str, float]:
+    cmd = [redis_binary("redis-benchmark"), "-h", "127.0.0.1", "-p", str(port)]
+    cmd += ["-t", "set,get", "-d", str(size), "-n", str(count), "-c", str(connections), "--csv"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=300).stdout
+    rps = {row["test"]: float(row["rps"]) for row in csv.DictReader(io.StringIO(out))}
+    return {"rb_set": rps["SET"] * size / 1e6, "rb_get": rps["GET"] * size / 1e6}
+
+
+async def _timed(fn: Callable[[], Awaitable[None]], nbytes: int) -> float:
+    start = time.perf_counter()
+    await fn()
+    return nbytes / (time.perf_counter() - start) / 1e6
+
+
+async def _tier(url: str, size: int, count: int, args: argparse.Namespace) -> dict[str, float]:
+    config = RemoteTierConfig(
+        url=url, key_prefix=_PREFIX, connections=args.connections, max_value_bytes=64 << 20
+    )
+    distinct = max(args.batch * args.callers, (args.keyspace_mb << 20) // size)
+    keys = [envelope_key(_PREFIX, _FP, f"{i % distinct:016x}", "kv") for i in range(count)]
+    value = memoryview(os.urandom(size))
+    callers, batch = args.callers, args.batch
+    outs = [[bytearray(size) for _ in range(batch)] for _ in range(callers)]
+
+    def shares(c: int) -> range:
+        return range(c * batch, count, callers * batch)
+
+    async with RedisTier(config) as tier:
+
+        async def put(c: int) -> None:
+            for lo in shares(c):
+                ok = await tier.put_many([(k, value) for k in keys[lo : lo + batch]])
+                assert all(ok), "bench put failed"
+
+        async def get(c: int, into: bool) -> None:
+            for lo in shares(c):
+                chunk = keys[lo : lo + batch]
+                got = await tier.get_many(chunk, outs[c][: len(chunk)] if into else None)
+                assert all(g is not None for g in got), "bench get missed"
+
+        async def all_callers(fn: Callable[[int], Awaitable[None]]) -> None:
+            await asyncio.gather(*(fn(c) for c in range(callers)))
+
+        for lo in range(0, distinct, batch):  # create the keys: the timed puts overwrite
+            await tier.put_many([(k, value) for k in keys[lo : min(lo + batch, distinct)]])
+        nbytes = size * count
+        figures = {"tier_put": await _timed(lambda: all_callers(put), nbytes)}
+        figures["tier_get"] = await _timed(lambda: all_callers(lambda c: get(c, False)), nbytes)
+        figures["tier_get_into"] = await _timed(lambda: all_callers(lambda c: get(c, True)), nbytes)
+        return figures
+
+
+async def _plain(url: str, size: int, count: int, keyspace_mb: int) -> dict[str, float]:
+    client = aredis.Redis.from_url(url)
+    value = os.urandom(size)
+    distinct = max(1, (keyspace_mb << 20) // size)
+    keys = [f"plain:{i % distinct}" for i in range(count)]
+    try:
+
+        async def put() -> None:
+            for key in keys:
+                await client.set(key, value)
+
+        async def get() -> None:
+            for key in keys:
+                await client.get(key)
+
+        for key in keys[:distinct]:
+            await client.set(key, value)
+        nbytes = size * count
+        return {"plain_set": await _timed(put, nbytes), "plain_get": await _timed(get, nbytes)}
+    finally:
+        await client.aclose()
