@@ -9,26 +9,7 @@ import pytest
 
 from remote_tier.config import RemoteTierConfig
 from remote_tier.store import RedisTier
-from tierstore.testing.redis_server import (
-    RedisCluster,
-    RedisServer,
-    RedisUnavailableError,
-    redis_binary,
-)
-
-
-@pytest.fixture(scope="session")
-def redis_bin() -> str:
-    try:
-        return redis_binary()
-    except RedisUnavailableError as exc:
-        pytest.skip(str(exc))
-
-
-@pytest.fixture(scope="session")
-def redis_server(redis_bin: str) -> Iterator[RedisServer]:
-    with RedisServer() as server:
-        yield server
+from tierstore.testing.redis_server import RedisCluster, RedisServer
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ from tierstore.client import AsyncClient, Client, ServiceError
 from tierstore.config import StoreConfig
 from tierstore.service.config import ServiceConfig
 from tierstore.store import TierStore
-from tierstore.testing.redis_server import RedisServer, RedisUnavailableError, redis_binary
+from tierstore.testing.redis_server import RedisServer
 from tierstore.testing.reference_model import tiny_layout
 from tierstore.testing.service import RunningService, free_port
 
@@ -31,22 +31,12 @@ def new_store(**kwargs: object) -> TierStore:
     return TierStore(LAYOUT, StoreConfig(capacity_bytes=1 << 20, **kwargs))  # type: ignore[arg-type]
 
 
-@pytest.fixture(scope="module")
-def redis() -> Iterator[RedisServer]:
-    try:
-        redis_binary()
-    except RedisUnavailableError as exc:
-        pytest.skip(str(exc))
-    with RedisServer() as server:
-        yield server
-
-
 @pytest.fixture
-def svc(redis: RedisServer) -> Iterator[RunningService]:
-    redis.command("FLUSHALL")
+def svc(redis_server: RedisServer) -> Iterator[RunningService]:
+    redis_server.command("FLUSHALL")
     config = ServiceConfig(port=free_port(), max_tokens=4096, max_batch=64,
                            max_body_bytes=4 << 20, lease_ttl_s=0.5, kv_host_bytes=4096)
-    kv_remote = RemoteTierConfig(url=redis.url, key_prefix="tskv")
+    kv_remote = RemoteTierConfig(url=redis_server.url, key_prefix="tskv")
     with RunningService(new_store(host_capacity_bytes=1 << 20), config, kv_remote) as running:
         yield running
 
@@ -185,7 +175,7 @@ def test_tier_unavailable_is_503_and_the_client_retries(svc: RunningService,
     assert len(calls) == 1 + 3  # the raw post, then the client's first try and two retries
 
 
-def test_auth_token_required_everywhere_but_healthz(redis: RedisServer) -> None:
+def test_auth_token_required_everywhere_but_healthz() -> None:
     config = ServiceConfig(port=free_port(), auth_token=TOKEN)
     with RunningService(new_store(), config) as svc:
         status, body = raw_post(svc.url, "/v1/match", msgpack.packb({"tokens": [1]}))

@@ -39,19 +39,6 @@ def hybrid() -> TierStore:
     return store()
 
 
-@pytest.fixture(scope="session")
-def redis_server():  # type: ignore[no-untyped-def]
-    """A private redis-server on a free loopback port for this test session."""
-    from tierstore.testing.redis_server import RedisServer, RedisUnavailableError, redis_binary
-
-    try:
-        redis_binary()
-    except RedisUnavailableError as exc:
-        pytest.skip(str(exc))
-    with RedisServer() as server:
-        yield server
-
-
 @pytest.fixture
 def redis_url(redis_server) -> str:  # type: ignore[no-untyped-def]
     """The session server, emptied for this test."""
