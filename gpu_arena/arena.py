@@ -5,12 +5,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
 
 import torch
 
 import kernels
 from gpu_arena.fence import Fence, FenceMode
+from gpu_arena.planner import Plan, ceil_div, plan
 from gpu_arena.pool import Pool
 from gpu_arena.spec import ALIGN, ANCHORS, ArenaError, IntegrityError, PoolSpec
 from gpu_arena.stats import ArenaStats, PoolStats
@@ -18,15 +18,6 @@ from gpu_arena.stats import ArenaStats, PoolStats
 log = logging.getLogger(__name__)
 
 IdsLike = torch.Tensor | Sequence[int]
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """Band targets after a full compaction that makes room for a joint request."""
-
-    low_slots: int  # low band becomes [0, low_slots)
-    high_slots: int  # high band becomes [max_slots - high_slots, max_slots)
-    float_band: tuple[int, int] | None  # float band moves into [start, end) slots
 
 
 class Arena:
@@ -380,7 +371,7 @@ class Arena:
         if need == 0:
             return holes
         lower, upper = self._limits(p)
-        first_fit = max(0, _ceil_div(lower - p.origin, p.unit))  # lowest slot above `lower`
+        first_fit = max(0, ceil_div(lower - p.origin, p.unit))  # lowest slot above `lower`
         last_fit = (upper - p.origin) // p.unit  # one past the highest slot below `upper`
         if p.hi == p.lo and p.anchor == "float":  # an empty floating band may start anywhere
             if last_fit - first_fit < need:
@@ -397,39 +388,10 @@ class Arena:
         p.hi += n_up
         return torch.cat([holes, new])
 
-    def _plan(self, request: Mapping[str, int]) -> _Plan | None:
-        """Band targets that fit ``request`` after compacting every pool, or ``None``."""
-        def grown(p: Pool | None) -> int:
-            if p is None:
-                return 0
-            extent = p.min_extent()
-            holes = extent - p.num_live - p.num_pending
-            return extent + max(0, request.get(p.name, 0) - holes)
+    def _plan(self, request: Mapping[str, int]) -> Plan | None:
+        return plan(self._low, self._float, self._high, self.capacity_bytes, request)
 
-        if any(grown(p) > p.cap for p in self._pools.values()):
-            return None
-        low_slots, high_slots = grown(self._low), grown(self._high)
-        low_end = low_slots * self._low.unit if self._low else 0
-        high_start = self.capacity_bytes
-        if self._high:
-            high_start = self._high.origin + (self._high.max_slots - high_slots) * self._high.unit
-        if low_end > high_start:
-            return None
-        f = self._float
-        if f is None or (f.num_live + f.num_pending + request.get(f.name, 0)) == 0:
-            return _Plan(low_slots, high_slots, None)
-        size = grown(f)
-        s_min = _ceil_div(low_end - f.origin, f.unit)
-        s_max = (high_start - f.origin) // f.unit - size
-        pins = f.pins()
-        if pins is not None:
-            s_min, s_max = max(s_min, pins[1] + 1 - size), min(s_max, pins[0])
-        if s_min > s_max:
-            return None
-        start = min(max(f.lo, s_min), s_max)  # the feasible start nearest today's: fewest moves
-        return _Plan(low_slots, high_slots, (start, start + size))
-
-    def _execute(self, plan: _Plan) -> None:
+    def _execute(self, plan: Plan) -> None:
         """Compact and slide bands to the plan's targets (low, then high, then float)."""
         if self._low is not None:
             self._relocate(self._low, 0, min(plan.low_slots, self._low.hi))
@@ -524,10 +486,6 @@ def _count(pool: str, n: object) -> int:
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ArenaError(f"pool {pool!r}: block count must be a non-negative int, got {n!r}")
     return n
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -((-a) // b)
 
 
 def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:

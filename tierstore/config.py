@@ -42,6 +42,8 @@ class StoreConfig:
     write_through_hits: int = 2
     prefetch: Prefetch = "wait"
     prefetch_timeout_s: float = 0.05
+    # A fixed split, for comparison: {kind: fraction of capacity_bytes} caps each L1 band.
+    pool_shares: tuple[tuple[str, float], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.capacity_bytes <= 0:
@@ -67,5 +69,10 @@ class StoreConfig:
         if self.prefetch not in ("wait", "timeout", "best_effort"):
             raise ValueError(f"prefetch must be wait / timeout / best_effort, got "
                              f"{self.prefetch!r}")
+        if self.pool_shares is not None and (
+                any(not 0 < share <= 1 for _, share in self.pool_shares)
+                or sum(share for _, share in self.pool_shares) > 1 + 1e-9):
+            raise ValueError(f"pool_shares must be fractions in (0, 1] summing to <= 1, got "
+                             f"{self.pool_shares}")
         if not self.prefetch_timeout_s > 0:
             raise ValueError(f"prefetch_timeout_s must be > 0, got {self.prefetch_timeout_s}")

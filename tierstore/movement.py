@@ -246,6 +246,9 @@ class TierMovement:
         demand = {k: len(v) for k, v in wanted.items() if v}
         if not demand:
             return "ok", sources
+        l3 = self._check_l3(wanted, timeout)
+        if l3 != "ok":  # Redis evicted some (re-plan) or is unreachable: evict nothing in L1
+            return l3, sources
         if not self._make_room(demand):
             return "no_room", sources
         status = "ok"
@@ -255,6 +258,23 @@ class TierMovement:
                 if outcome != "ok" and status != "unavailable":
                     status = outcome
         return status, sources
+
+    def _check_l3(self, wanted: dict[str, list[tuple[Node, int, int]]], timeout: float | None
+                  ) -> str:
+        """Probe (one batched EXISTS) the L3 entries a promotion needs before L1 makes room
+        for them: ``ok``; ``partial`` when Redis no longer holds some (its own eviction, a TTL;
+        they are marked absent); ``unavailable`` when the probe failed (marks kept)."""
+        entries = [(kind, e) for kind, es in wanted.items() for e in es if e[2] == 3]
+        if self.remote is None or not entries:
+            return "ok"
+        present = self.remote.exists_each(
+            [self.remote.key(_page_key(e), k) for k, e in entries], timeout)
+        if present is None:
+            return "unavailable"
+        gone = [(k, e) for (k, e), ok in zip(entries, present, strict=True) if not ok]
+        for kind, entry in gone:
+            _set_entry(entry, kind, 3, -1)
+        return "partial" if gone else "ok"
 
     def _load(self, kind: str, entries: list[tuple[Node, int, int]], timeout: float | None
               ) -> str:

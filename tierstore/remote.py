@@ -64,9 +64,11 @@ class RemoteBridge:
         """How many of ``keys``, from the first, exist."""
         return self._run(self._tier.exists_prefix(keys), 0) if keys else 0
 
-    def exists_each(self, keys: Sequence[str]) -> list[bool]:
-        """Presence of each key (one batched probe)."""
-        return self._run(self._tier.exists_many(keys), [False] * len(keys)) if keys else []
+    def exists_each(self, keys: Sequence[str], timeout: float | None = None
+                    ) -> list[bool] | None:
+        """Presence of each key (one batched probe); None when the call failed or ran past
+        ``timeout`` seconds."""
+        return self._run(self._tier.exists_many(keys), None, timeout) if keys else []
 
     def ping(self) -> bool:
         """Whether Redis answers now (an open circuit answers False without I/O)."""

@@ -341,4 +341,4 @@ class Service:
 
 
 def _views(rows: list[torch.Tensor]) -> list[memoryview]:
-    return [memoryview(row.numpy()) for row in rows]
+    return [memoryview(row.numpy()).cast("B") for row in rows]  # type: ignore[arg-type]

@@ -1,0 +1,62 @@
+"""Compaction planning: where every band must end up for a joint request to fit.
+
+Pure bookkeeping over the pools' tables (no bytes move here). A plan exists exactly when the
+request fits after compacting every pool and sliding the floating band: ``can_alloc`` asks for
+a plan, ``alloc`` executes one only when holes and the adjacent gap are not enough.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from gpu_arena.pool import Pool
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Band targets after a full compaction that makes room for a joint request."""
+
+    low_slots: int  # low band becomes [0, low_slots)
+    high_slots: int  # high band becomes [max_slots - high_slots, max_slots)
+    float_band: tuple[int, int] | None  # float band moves into [start, end) slots
+
+
+def plan(low: Pool | None, floating: Pool | None, high: Pool | None, capacity: int,
+         request: Mapping[str, int]) -> Plan | None:
+    """Band targets that fit ``request`` ({pool: blocks}) after compacting every pool, or
+    ``None``. Fenced slots stay where they are; the floating band starts as near its current
+    place as it can (fewest moves)."""
+    def grown(p: Pool | None) -> int:
+        if p is None:
+            return 0
+        extent = p.min_extent()
+        holes = extent - p.num_live - p.num_pending
+        return extent + max(0, request.get(p.name, 0) - holes)
+
+    if any(p is not None and grown(p) > p.cap for p in (low, floating, high)):
+        return None
+    low_slots, high_slots = grown(low), grown(high)
+    low_end = low_slots * low.unit if low else 0
+    high_start = capacity
+    if high:
+        high_start = high.origin + (high.max_slots - high_slots) * high.unit
+    if low_end > high_start:
+        return None
+    f = floating
+    if f is None or (f.num_live + f.num_pending + request.get(f.name, 0)) == 0:
+        return Plan(low_slots, high_slots, None)
+    size = grown(f)
+    s_min = ceil_div(low_end - f.origin, f.unit)
+    s_max = (high_start - f.origin) // f.unit - size
+    pins = f.pins()
+    if pins is not None:
+        s_min, s_max = max(s_min, pins[1] + 1 - size), min(s_max, pins[0])
+    if s_min > s_max:
+        return None
+    start = min(max(f.lo, s_min), s_max)
+    return Plan(low_slots, high_slots, (start, start + size))
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -((-a) // b)
