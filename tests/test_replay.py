@@ -242,5 +242,34 @@ def test_bench_json_is_the_last_line(tmp_path: Path, capsys: pytest.CaptureFixtu
     result = json.loads(out[-1])
     assert [r["config"] for r in result["rows"]] == ["gpu_lru", "fixed_split", "infinite"]
     assert "gpu_lru" in "\n".join(out[:-1])
-    with pytest.raises(SystemExit, match="service mode"):
+    with pytest.raises(SystemExit, match="cannot reach the service"):
         cli_main(["bench", "replay", "--trace", str(trace), "--url", "http://127.0.0.1:1"])
+
+
+def test_service_mode_replays_through_http_and_verifies() -> None:
+    """`bench replay --url`: the same replay against a real service running the scaled
+    layout, paced, with latency percentiles; a service with another layout is refused."""
+    from tierstore.config import StoreConfig
+    from tierstore.layout import load_preset
+    from tierstore.replay.experiment import Setup
+    from tierstore.replay.experiment import run as run_experiment
+    from tierstore.replay.scaled import scale_layout
+    from tierstore.store import TierStore
+    from tierstore.testing.service import RunningService
+
+    trace = default_trace()
+    if trace is None:
+        pytest.skip("the shared trace is not beside the checkout")
+    factor = 1 / 2048
+    layout = scale_layout(load_preset("qwen3-next-80b-a3b", page_size=512), factor).layout
+    store = TierStore(layout, StoreConfig(capacity_bytes=4 << 20, host_capacity_bytes=8 << 20))
+    with RunningService(store) as svc:
+        result = run_experiment(Setup(trace=trace, limit=120, scale=factor, url=svc.url,
+                                      speed=1000.0, progress=False))
+        (row,) = result["rows"]
+        assert row["config"] == "service" and 0 < row["hit_rate"] <= 1
+        assert row["verified_envelopes"] > 0 and row["not_stored"] == 0
+        assert set(row["latency_ms"]) >= {"match", "fetch", "insert"}
+        with pytest.raises(SystemExit, match="--scale 1/4096"):
+            run_experiment(Setup(trace=trace, limit=5, scale=factor / 2, url=svc.url,
+                                 progress=False))

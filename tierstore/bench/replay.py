@@ -11,7 +11,11 @@ cache. Capacities are bytes or fractions of the trace's working set; the run is 
 prompt-token hit rate by tier, requests with any hit, bytes moved per tier pair, evictions,
 and prefill seconds saved under the cost model (``--prefill-tok-s``, ``--host-gbps``,
 ``--redis-gbps``; see ``tierstore.replay.report`` for where the defaults come from).
-Service mode (``--url``) is not implemented yet.
+Service mode (``--url``): the same replay through the HTTP client against a running
+``tierstore serve --model M --page-size P --scale N`` (the replay's scaled layout; give the same
+``--scale N``), time-compressed with ``--speed``; latency percentiles of match / fetch / insert
+are reported next to the hit rates. The service's own capacities apply (``--l1/--l2/--l3`` do
+not).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from tierstore.layout import preset_names
 from tierstore.replay.experiment import Setup, Size
 from tierstore.replay.experiment import run as run_experiment
 from tierstore.replay.report import CostModel
+from tierstore.replay.scaled import parse_scale
 from tierstore.replay.trace import default_trace
 
 
@@ -39,14 +44,10 @@ def _split(text: str) -> dict[str, float] | None:
 
 
 def _scale(text: str) -> float | None:
-    if text == "auto":
-        return None
-    num, _, den = text.partition("/")
     try:
-        return float(num) / float(den) if den else float(num)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--scale must be 'auto', a fraction like 1/2048 or a float, got {text!r}") from None
+        return parse_scale(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _size(text: str) -> Size:
@@ -97,14 +98,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="skip reading back and checking every hit's envelopes")
     parser.add_argument("--no-progress", dest="progress", action="store_false")
     parser.add_argument("--url", default=None,
-                        help="service mode: replay against a running `tierstore serve` "
-                             "(not implemented yet)")
+                        help="service mode: replay against a running `tierstore serve`")
+    parser.add_argument("--auth-token", default=None, help="service mode: bearer token")
+    parser.add_argument("--speed", type=float, default=None,
+                        help="service mode: pace requests at trace time / SPEED (e.g. 10)")
 
 
 def run(args: argparse.Namespace) -> dict:
-    if args.url:
-        raise SystemExit("bench replay: service mode (--url) is not implemented yet; it will "
-                         "be a second ReplayTarget in tierstore/replay/targets.py")
     if args.trace is None:
         raise SystemExit("bench replay: no --trace given and ../shared/traces/"
                          "synthetic_trace.jsonl not found")
@@ -115,7 +115,8 @@ def run(args: argparse.Namespace) -> dict:
         split_warmup=args.split_warmup, decode_s_per_token=args.decode_ms_per_token / 1000,
         seed=args.seed, verify=args.verify, progress=args.progress,
         cost=CostModel(args.prefill_tok_s, args.host_gbps, args.redis_gbps),
-        plot=args.plot, window_s=args.window_s)
+        plot=args.plot, window_s=args.window_s, url=args.url, auth_token=args.auth_token,
+        speed=args.speed)
     return run_experiment(setup)
 
 
@@ -151,9 +152,10 @@ def render(result: dict) -> str:
         f"replay {result['trace']}: {result['requests']} requests over "
         f"{result['trace_seconds']:.0f} s, {result['prompt_tokens']:,} prompt tokens; "
         f"{result['model']}, page {result['page_size']} tokens",
-        f"working set {_gib(ws['total_real_bytes'])} ({entries} entries); "
-        f"L1 {result['sizes']['l1']} = {_gib(caps['l1'])}, L2 {result['sizes']['l2']}"
-        f" = {_gib(caps['l2'])}, L3 {result['sizes']['l3']} = {_gib(caps['l3'])}",
+        f"working set {_gib(ws['total_real_bytes'])} ({entries} entries); " + (
+            "capacities: the service's own" if "service" in result["configs"] else
+            f"L1 {result['sizes']['l1']} = {_gib(caps['l1'])}, L2 {result['sizes']['l2']}"
+            f" = {_gib(caps['l2'])}, L3 {result['sizes']['l3']} = {_gib(caps['l3'])}"),
         f"scale 1/{scale['inverse']:g} (envelope ratio error {errors}); fixed split (b): "
         + ", ".join(f"{k} {v:.1%}" for k, v in result["fixed_split"]["shares"].items())
         + f" ({result['fixed_split']['source']}; whole trace: "
@@ -169,4 +171,8 @@ def render(result: dict) -> str:
         f"runtime {result['runtime_s']:.0f} s" + (f"; plot: {result['plot']}"
                                                    if "plot" in result else ""),
     ]
+    for r in result["rows"]:
+        for what, p in r.get("latency_ms", {}).items():
+            lines.append(f"{r['config']} {what} latency: p50 {p['p50']:.2f} ms, p90 "
+                         f"{p['p90']:.2f} ms, p99 {p['p99']:.2f} ms ({p['n']} calls)")
     return "\n".join(lines)

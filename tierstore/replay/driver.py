@@ -120,11 +120,19 @@ class Replay:
                 target.complete(found, run.tokens, run.envelopes)
                 self.series.wall_s[target.name] += time.perf_counter() - start
 
-    def run(self, requests: Sequence[TraceRequest], *, progress: bool = True) -> Series:
-        """Replay ``requests`` in order (with a progress bar on stderr) and finish."""
+    def run(self, requests: Sequence[TraceRequest], *, progress: bool = True,
+            speed: float | None = None) -> Series:
+        """Replay ``requests`` in order (with a progress bar on stderr) and finish. With
+        ``speed``, requests are paced in wall time: request i starts no earlier than its trace
+        timestamp / ``speed`` after the first (a service-mode replay, time-compressed)."""
+        begin = time.monotonic()
         with tqdm(total=len(requests), disable=not progress, unit="req",
                   desc="replay", dynamic_ncols=True) as bar:
             for i, request in enumerate(requests):
+                if speed is not None:
+                    wait = begin + request.arrival_s / speed - time.monotonic()
+                    if wait > 0:
+                        time.sleep(wait)
                 self.arrive(request)
                 bar.update()
                 if progress and (i % 50 == 0 or i == len(requests) - 1):

@@ -29,6 +29,7 @@ from tierstore.replay.driver import Replay
 from tierstore.replay.plot import write_html
 from tierstore.replay.report import CostModel, cumulative, summarize, windowed
 from tierstore.replay.scaled import auto_factor, scale_layout
+from tierstore.replay.service import ServiceTarget
 from tierstore.replay.targets import BASELINES, Capacities, ReplayTarget, open_target
 from tierstore.replay.trace import (
     TraceRequest,
@@ -110,6 +111,9 @@ class Setup:
     cost: CostModel = field(default_factory=CostModel)
     plot: Path | None = None
     window_s: float = 60.0
+    url: str | None = None  # service mode: a running `tierstore serve --scale N`
+    auth_token: str | None = None
+    speed: float | None = None  # service mode: trace time / wall time (None: as fast as it can)
 
     def __post_init__(self) -> None:
         unknown = set(self.configs) - set(BASELINES)
@@ -200,12 +204,18 @@ def run(setup: Setup) -> dict[str, Any]:
     targets: list[ReplayTarget] = []
     with _single_thread():
         try:
-            for key in setup.configs:
+            if setup.url:
+                hint = (f"Start it with: tierstore serve --model {setup.model} --page-size "
+                        f"{setup.page_size} --scale 1/{1 / factor:g}, and pass --scale "
+                        f"1/{1 / factor:g} here.")
+                targets.append(ServiceTarget(setup.url, scaled.layout, token=setup.auth_token,
+                                             verify=setup.verify, serve_hint=hint))
+            for key in setup.configs if not setup.url else "":
                 targets.append(open_target(BASELINES[key], scaled.layout, caps,
                                            verify=setup.verify))
             replay = Replay(targets, scaled.layout, decode_s_per_token=setup.decode_s_per_token,
                             seed=setup.seed)
-            series = replay.run(requests, progress=setup.progress)
+            series = replay.run(requests, progress=setup.progress, speed=setup.speed)
             for t in targets:
                 t.check()
             figures = {t.name: t.figures() for t in targets}
@@ -234,7 +244,8 @@ def run(setup: Setup) -> dict[str, Any]:
                         "whole_trace_shares": _shares(ws)},
         "time_model": {"decode_s_per_token": setup.decode_s_per_token},
         "cost_model": asdict(setup.cost),
-        "configs": {BASELINES[k].name: f"({k}) {BASELINES[k].description}"
+        "configs": {"service": f"a running service at {setup.url}"} if setup.url else
+                   {BASELINES[k].name: f"({k}) {BASELINES[k].description}"
                     for k in setup.configs},
         "rows": rows,
         "windowed": {"window_s": setup.window_s,

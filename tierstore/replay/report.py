@@ -78,7 +78,7 @@ def summarize(name: str, figures: Mapping[str, object], series: Series,
         "prefill_saved_fraction": saved["total"] / full_prefill if full_prefill else 0.0,
         "wall_s": series.wall_s[name],
     }
-    for extra in ("l3", "redis"):
+    for extra in ("l3", "redis", "latency_ms"):
         if extra in figures:
             row[extra] = figures[extra]
     return row

@@ -64,6 +64,21 @@ class ScaledLayout:
                 "ratio_error": self.ratio_errors()}
 
 
+def parse_scale(text: str) -> float | None:
+    """A scale factor from ``"auto"`` (None), ``"1/2048"`` or ``"0.00048828125"``."""
+    if text == "auto":
+        return None
+    num, _, den = text.partition("/")
+    try:
+        factor = float(num) / float(den) if den else float(num)
+    except (ValueError, ZeroDivisionError):
+        raise ValueError(f"scale must be 'auto', a fraction like 1/2048 or a float, got "
+                         f"{text!r}") from None
+    if not 0 < factor <= 1:
+        raise ValueError(f"scale must be in (0, 1], got {text!r}")
+    return factor
+
+
 def auto_factor(real_bytes: int, target_bytes: int) -> float:
     """The largest ``2**-k`` (k >= 0) that scales ``real_bytes`` to at most ``target_bytes``."""
     if real_bytes <= 0 or target_bytes <= 0:

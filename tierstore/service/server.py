@@ -13,6 +13,7 @@ from aiohttp import web
 from remote_tier import RemoteTierConfig
 from tierstore.config import StoreConfig
 from tierstore.layout import ModelLayout, layout_from_config, load_config, load_preset
+from tierstore.replay.scaled import parse_scale, scale_layout
 from tierstore.service.app import Service
 from tierstore.service.config import ServiceConfig
 from tierstore.settings import environment, parse_size
@@ -28,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--model", default="qwen3-next-80b-a3b", help="layout preset")
     model.add_argument("--model-config", help="a Hugging Face config.json instead of a preset")
     parser.add_argument("--page-size", type=int, default=64, help="tokens per page")
+    parser.add_argument("--scale", default=None,
+                        help="accounting at scale: every envelope is this fraction of its real "
+                             "size, e.g. 1/2048 (for `bench replay --url ... --scale 1/2048`)")
     parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     parser.add_argument("--l1", default="auto",
                         help="GPU arena size (auto: 1GiB on CPU, half the free memory on CUDA)")
@@ -47,8 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _layout(args: argparse.Namespace) -> ModelLayout:
     if args.model_config:
-        return layout_from_config(load_config(args.model_config), page_size=args.page_size)
-    return load_preset(args.model, page_size=args.page_size)
+        layout = layout_from_config(load_config(args.model_config), page_size=args.page_size)
+    else:
+        layout = load_preset(args.model, page_size=args.page_size)
+    factor = parse_scale(args.scale) if args.scale else None
+    return scale_layout(layout, factor).layout if factor is not None else layout
 
 
 def _device(args: argparse.Namespace) -> str:
