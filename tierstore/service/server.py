@@ -111,6 +111,11 @@ def serve(args: argparse.Namespace) -> int:
     """Run until SIGINT/SIGTERM; returns the exit code."""
     logging.basicConfig(level=environment().log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if _device(args) == "cpu":
+        # The store's ops are many small tensor ops; torch's intra-op threads make each of
+        # them stall for milliseconds whenever the other cores are busy (measured on 2-core
+        # machines). Bulk CPU copies use the kernels' own thread pool instead.
+        torch.set_num_threads(1)
     with ExitStack() as stack:
         service, config = build(args, stack)
         log.info("tierstore serving %s on http://%s:%d (dashboard: /dashboard)",
