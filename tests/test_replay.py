@@ -213,10 +213,11 @@ def test_a_bounded_l3_is_calibrated_and_evicts(tmp_path: Path) -> None:
     for kind in ("kv", "state"):  # key, header and allocator rounding cost more than the value
         unit = result["scale"]["envelopes"][kind]["scaled_bytes"]
         assert redis["bytes_per_entry"][kind] > unit
-    # Redis dropped entries the index still listed: L3 misses, served as misses, never wrong
-    # bytes (every hit was verified). A lossy L3 is not always a gain: promotions that find
-    # entries gone have already made room in L1, so here (e) may fall below (d).
-    assert redis["evicted_keys"] > 0 and rows["tier_l2_l3"]["l3"]["num_misses"] > 0
+    # Redis dropped entries the index still listed. A promotion probes L3 before making room in
+    # L1, so entries found gone are planned around; one evicted between the probe and the GET
+    # is a miss. Either way: never wrong bytes (every hit was verified).
+    assert redis["evicted_keys"] > 0
+    assert rows["tier_l2_l3"]["verified_envelopes"] > 0
     assert rows["tier_l2_l3"]["hit_rate"] <= rows["infinite"]["hit_rate"]
 
 
