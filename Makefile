@@ -3,6 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+SGLANG_STAMP := $(VENV)/.installed-sglang
 
 .PHONY: demo test lint typecheck check-cu clean
 
@@ -14,10 +15,17 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $(STAMP)
 
+# SGLang (for tests/integrations) only where the tests run: triton alone is ~1 GB installed.
+$(SGLANG_STAMP): $(STAMP)
+	$(BIN)/pip install -q -e ".[sglang]"
+	# The wheel alone: SGLang's pinned requirements would replace torch.
+	$(BIN)/pip install -q --no-deps sglang==0.5.23
+	touch $(SGLANG_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/tierstore demo
 
-test: $(STAMP)
+test: $(STAMP) $(SGLANG_STAMP)
 	$(BIN)/python -m pytest -q tests
 
 lint: $(STAMP)

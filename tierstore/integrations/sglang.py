@@ -1,0 +1,504 @@
+"""SGLang HiCache L3 storage backend: pages live in a running ``tierstore serve``.
+
+SGLang loads it without a patch (``backend_class(storage_config, kwargs)``)::
+
+    --hicache-storage-backend dynamic --hicache-storage-backend-extra-config
+      '{"backend_name": "tierstore", "module_path": "tierstore.integrations.sglang",
+        "class_name": "TierStoreHiCacheStorage", "url": "http://127.0.0.1:8080"}'
+
+Pages are opaque bytes under SGLang's page hashes in the service's key-addressed storage API
+(host LRU + Redis), in a namespace derived from the deployment (model, TP/PP/CP ranks, host-pool
+layout) so that two deployments never read each other's pages. SGLang calls the backend from
+its prefetch and backup threads; every request runs on the private event-loop thread of a
+:class:`~tierstore.client.Client`. An unreachable or failing service turns into misses /
+``False`` with a rate-limited log line — never an exception into SGLang.
+
+Importing this module does not need SGLang; constructing the backend does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar, cast
+
+import aiohttp
+import torch
+
+from tierstore.client import Client, ServiceError
+from tierstore.hashing import check_namespace
+from tierstore.integrations._support import (
+    TierStoreL3Config,
+    _as_buffer,
+    _chunks,
+    _Counters,
+    _digest,
+    _LogLimiter,
+    _PoolInfo,
+    _sanitize,
+    _storage_metrics,
+)
+
+log = logging.getLogger(__name__)
+
+SGLANG_IMPORT_ERROR: ImportError | None = None
+try:
+    from sglang.srt.mem_cache import hicache_storage as _sgl
+except ImportError as exc:  # the optional extra is not installed: the class says so when used
+    _sgl = None
+    SGLANG_IMPORT_ERROR = exc
+
+_Base: Any = _sgl.HiCacheStorage if _sgl is not None else object
+KV, MAMBA = "kv", "mamba"  # SGLang's PoolName values (a str enum): KV keys stay bare
+_MAX_TRACKED = 1 << 20  # keys remembered for clear()
+_DOWN = (aiohttp.ClientConnectionError, asyncio.TimeoutError, TimeoutError, OSError)
+T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
+
+with warnings.catch_warnings():
+    # torch warns once per process that a tensor over read-only bytes is writable; values are
+    # only ever read through such views, so spend that one warning here, silently.
+    warnings.simplefilter("ignore")
+    torch.frombuffer(b"\0", dtype=torch.uint8)
+
+
+def _shielded(default: Callable[..., Any]) -> Callable[[F], F]:
+    """Any exception of the wrapped call becomes ``default(*args)`` and a log line: SGLang's
+    storage threads must never see one."""
+
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def inner(self: TierStoreHiCacheStorage, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(self, *args, **kwargs)
+            except Exception:
+                self._counters.fail()
+                self._log.warning("tierstore %s failed", fn.__name__, exc_info=True)
+                return default(*args, **kwargs)
+
+        return cast(F, inner)
+
+    return wrap
+
+
+def _keys_of(transfers: Sequence[Any], *_: Any, **__: Any) -> dict[Any, list[bool]]:
+    return {t.name: [False] * len(t.keys or []) for t in transfers}
+
+
+def _no_pages(keys: Sequence[str], *_: Any, **__: Any) -> list[Any]:
+    return [False] * len(keys)
+
+
+class TierStoreHiCacheStorage(_Base):
+    """SGLang ``HiCacheStorage`` over ``tierstore serve``'s storage API.
+
+    Values are SGLang flat data pages, byte for byte: the generic ``get``/``set`` path, the
+    zero-copy ``*_v1`` path (pages read from / written into the registered host pool) and the
+    hybrid ``*_v2`` path (one host pool per ``PoolTransfer``) share one format, so a page
+    stored through one path reads back through another.
+    """
+
+    def __init__(self, storage_config: Any, kwargs: Mapping[str, Any] | None = None) -> None:
+        if _sgl is None:
+            raise ImportError("TierStoreHiCacheStorage needs SGLang: pip install --no-deps "
+                              "sglang==0.5.23 && pip install 'tierstore[sglang]'"
+                              ) from SGLANG_IMPORT_ERROR
+        self.storage_config = storage_config
+        self.config = TierStoreL3Config.from_mapping(
+            {**(storage_config.extra_config or {}), **(kwargs or {})})
+        self.mem_pool_host: Any = None
+        self.registered_pools: dict[str, Any] = {}
+        self._pools: dict[str, _PoolInfo] = {}
+        self._namespaces = self._derive_namespaces(None)
+        self._log = _LogLimiter(self.config.log_interval_s)
+        self._counters = _Counters(bool(storage_config.enable_storage_metrics))
+        self._lock = threading.Lock()
+        self._down_until = 0.0
+        self._down = False
+        self._written: dict[tuple[str, str], None] = {}
+        self._untracked = 0
+        self._client = Client(self.config.url, token=self.config.auth_token,
+                              timeout_s=self.config.timeout_s, retries=self.config.retries)
+        reachable = self._client.health()
+        log.info("tierstore HiCache L3 at %s (%s), namespace %s", self.config.url,
+                 "reachable" if reachable else "NOT reachable yet: every page misses until it "
+                 "is", self.namespace)
+
+    # ------------------------------------------------------------------ registration
+    @property
+    def namespace(self) -> str:
+        """The namespace this rank's KV pages live in."""
+        return self._ns(KV)
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Adopt the anchor host pool: its layout joins the namespace, v1 reads and writes it."""
+        super().register_mem_pool_host(mem_pool_host)
+        self._pools[KV] = _PoolInfo.of(mem_pool_host)
+        self._namespaces = self._derive_namespaces(self._pools[KV])
+        log.info("tierstore HiCache L3 namespace %s (host pool %s)", self.namespace,
+                 type(mem_pool_host).__name__)
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """Adopt a v2 host pool (Mamba, SWA, ...); its geometry tags its pages' keys."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        self._pools[str(host_pool_name)] = _PoolInfo.of(host_pool)
+
+    def _derive_namespaces(self, anchor: _PoolInfo | None) -> tuple[str, str]:
+        """(per-rank, rank-shared) namespaces. MLA KV is replicated across TP ranks, so its
+        pages are shared by rank; everything else (and Mamba state always) is per rank."""
+        sc = self.storage_config
+        shard = {"pp": (sc.pp_rank, sc.pp_size), "cp": (sc.attn_cp_rank, sc.attn_cp_size),
+                 "dcp": (getattr(sc, "dcp_rank", 0), getattr(sc, "dcp_size", 1))}
+        common = {"format": 1, "model": sc.model_name, "mla": sc.is_mla_model, **shard,
+                  "page_first": sc.is_page_first_layout,
+                  "logical_page_size": getattr(sc, "logical_page_size", None),
+                  "split_heads": getattr(sc, "should_split_heads", False),
+                  "tp_lcm_size": getattr(sc, "tp_lcm_size", None),
+                  "host_pool": None if anchor is None else anchor.digest}
+        tail = "".join(f"-{k}{r}of{n}" for k, (r, n) in shard.items() if n > 1)
+        out = []
+        for tp in ((sc.tp_rank, sc.tp_size), None):
+            label = (f"tp{tp[0]}of{tp[1]}" if tp else "shared") + tail
+            digest = _digest({**common, "tp": tp})[:12]
+            room = 128 - len(self.config.namespace) - len(label) - len(digest) - 3
+            model = _sanitize(sc.model_name or "model", max(8, min(48, room)))
+            out.append(check_namespace(f"{self.config.namespace}/{model}/{label}.{digest}"))
+        return out[0], out[1]
+
+    def _ns(self, pool: str) -> str:
+        shared = self.storage_config.is_mla_model and pool != MAMBA
+        return self._namespaces[1] if shared else self._namespaces[0]
+
+    def _key(self, key: str, pool: str, info: _PoolInfo | None) -> str:
+        if pool == KV or info is None:
+            return key
+        return f"{key}.{pool}.{info.digest}"
+
+    # ------------------------------------------------------------------ guarded requests
+    def _request(self, default: T, fn: Callable[[], T]) -> T:
+        """``fn()`` against the service; a failure is ``default`` and, for a connection failure
+        or 503, answers every call at once for ``retry_down_s``."""
+        if time.monotonic() < self._down_until:
+            return default
+        try:
+            result = fn()
+        except ServiceError as exc:
+            self._counters.fail()
+            if exc.status == 503:
+                self._mark_down(exc)
+            else:
+                self._log.warning("tierstore service refused a request: %s", exc)
+            return default
+        except _DOWN as exc:
+            self._counters.fail()
+            self._mark_down(exc)
+            return default
+        if self._down:
+            with self._lock:
+                self._down = False
+            log.info("tierstore service at %s reachable again", self.config.url)
+        return result
+
+    def _mark_down(self, exc: BaseException) -> None:
+        with self._lock:
+            self._down = True
+            self._down_until = time.monotonic() + self.config.retry_down_s
+        self._log.warning("tierstore service at %s unavailable (%s: %s); storage calls miss "
+                          "for %.1f s", self.config.url, type(exc).__name__, exc,
+                          self.config.retry_down_s)
+
+    def _count(self, ns: str, keys: Sequence[str]) -> int:
+        """How many of ``keys``, from the first, the service holds (0 when unreachable)."""
+        total = 0
+        for part in _chunks([0] * len(keys), self.config.max_batch, 1):
+            chunk = list(keys[part])
+            found = self._request(0, functools.partial(self._client.batch_exists, chunk, ns))
+            total += found
+            if found < len(chunk):
+                break
+        return total
+
+    def _fetch(self, ns: str, keys: Sequence[str], sizes: Sequence[int]
+               ) -> Iterator[tuple[int, list[bytes | None]]]:
+        """(offset, values) per request of about ``max_request_bytes`` of expected ``sizes``;
+        a failed request yields ``None`` values."""
+        for part in _chunks(sizes, self.config.max_batch, self.config.max_request_bytes):
+            chunk = list(keys[part])
+            values = self._request(None, functools.partial(self._client.batch_get, chunk, ns))
+            if values is None or len(values) != len(chunk):
+                values = [None] * len(chunk)
+            yield part.start, values
+
+    def _store(self, ns: str, keys: Sequence[str], sizes: Sequence[int],
+               value: Callable[[int], Any]) -> list[bool]:
+        """Store ``value(i)`` under ``keys[i]``; per key whether the service holds it now."""
+        done = self._count(ns, keys) if self.config.skip_existing else 0
+        stored = [True] * done
+        for part in _chunks(sizes[done:], self.config.max_batch, self.config.max_request_bytes):
+            chunk = list(keys[done:][part])
+            blobs = [value(done + i) for i in range(part.start, part.stop)]
+            acked = self._request(None, functools.partial(self._client.batch_set, chunk,
+                                                          blobs, ns))
+            stored.extend(acked if acked is not None and len(acked) == len(chunk)
+                          else [False] * len(chunk))
+        self._track(ns, [k for k, ok in zip(keys, stored, strict=True) if ok])
+        return stored
+
+    def _track(self, ns: str, keys: Sequence[str]) -> None:
+        with self._lock:
+            for k in keys:
+                if len(self._written) < _MAX_TRACKED:
+                    self._written[(ns, k)] = None
+                elif (ns, k) not in self._written:
+                    self._untracked += 1
+
+    # ------------------------------------------------------------------ generic path
+    @_shielded(lambda key, *_, **__: None)
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None
+            ) -> torch.Tensor | None:
+        """The page under ``key`` (copied into ``target_location`` when given), or None."""
+        return self.batch_get([key], [target_location])[0]
+
+    @_shielded(lambda keys, *_, **__: [None] * len(keys))
+    def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
+                  ) -> list[torch.Tensor | None]:
+        """Pages of ``keys`` (None where missing), each copied into its target tensor when
+        ``target_locations`` gives one, else a fresh tensor."""
+        started = time.perf_counter()
+        targets = list(target_locations or [None] * len(keys))
+        sizes = [t.numel() * t.element_size() if isinstance(t, torch.Tensor) else
+                 self._pools[KV].page_bytes if KV in self._pools else 0 for t in targets]
+        out: list[torch.Tensor | None] = []
+        for start, values in self._fetch(self._ns(KV), keys, sizes):
+            out.extend(self._to_tensor(v, targets[i]) for i, v in enumerate(values, start))
+        self._counters.record("get", len(keys), sum(t is not None for t in out),
+                              sum(t.numel() * t.element_size() for t in out if t is not None),
+                              time.perf_counter() - started)
+        return out
+
+    def _to_tensor(self, value: bytes | None, target: Any) -> torch.Tensor | None:
+        if value is None:
+            return None
+        if isinstance(target, torch.Tensor):
+            if target.numel() * target.element_size() != len(value):
+                self._log.warning("tierstore page of %d bytes does not fit a %d-byte target",
+                                  len(value), target.numel() * target.element_size())
+                return None
+            target.copy_(torch.frombuffer(value, dtype=target.dtype).reshape(target.shape))
+            return target
+        info = self._pools.get(KV)
+        if info is not None and len(value) == info.page_bytes:
+            return torch.frombuffer(value, dtype=info.dtype).clone()
+        return torch.frombuffer(bytearray(value), dtype=torch.uint8)
+
+    @_shielded(lambda *_, **__: False)
+    def set(self, key: str, value: Any = None, target_location: Any = None,
+            target_sizes: Any = None) -> bool:
+        """Store one page (a tensor or bytes); True when the service holds it."""
+        return self.batch_set([key], [value])
+
+    @_shielded(lambda *_, **__: False)
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
+                  target_sizes: Any = None) -> bool:
+        """Store pages in order (parent first); True when the service holds every one."""
+        if values is None or len(values) != len(keys) or any(v is None for v in values):
+            self._log.warning("tierstore batch_set needs one value per key (%d keys, %s values)",
+                              len(keys), None if values is None else
+                              sum(v is not None for v in values))
+            return False
+        started = time.perf_counter()
+        blobs = [_as_buffer(v) for v in values]
+        stored = self._store(self._ns(KV), keys, [b.nbytes for b in blobs], blobs.__getitem__)
+        self._counters.record("set", len(keys), sum(stored), sum(b.nbytes for b in blobs),
+                              time.perf_counter() - started)
+        return all(stored)
+
+    @_shielded(lambda *_, **__: False)
+    def exists(self, key: str) -> bool:
+        """Whether the service holds ``key``."""
+        return self._count(self._ns(KV), [key]) == 1
+
+    @_shielded(lambda *_, **__: 0)
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        """How many of ``keys``, from the first, are stored (0 when unreachable)."""
+        return self._count(self._ns(KV), keys)
+
+    # ------------------------------------------------------------------ host-pool paths
+    @_shielded(_no_pages)
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
+                     ) -> list[bool]:
+        """Read pages straight into the registered host pool at ``host_indices``."""
+        return self._load(KV, list(keys), host_indices)
+
+    @_shielded(_no_pages)
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
+                     ) -> list[bool]:
+        """Write the registered host pool's pages at ``host_indices`` under ``keys``."""
+        return self._save(KV, list(keys), host_indices)
+
+    @_shielded(_keys_of)
+    def batch_get_v2(self, transfers: list[Any], extra_info: Any = None
+                     ) -> dict[Any, list[bool]]:
+        """Per transfer, read its pages into its pool's host memory; per-page success."""
+        return {t.name: self._load(str(t.name), list(t.keys or []), t.host_indices)
+                for t in transfers}
+
+    @_shielded(_keys_of)
+    def batch_set_v2(self, transfers: list[Any], extra_info: Any = None
+                     ) -> dict[Any, list[bool]]:
+        """Per transfer, write its pool's host pages under its keys; per-page success."""
+        return {t.name: self._save(str(t.name), list(t.keys or []), t.host_indices)
+                for t in transfers}
+
+    def _offsets(self, pool: str, keys: list[str], host_indices: Any) -> list[int] | None:
+        info = self._pools.get(pool)
+        if info is None:
+            self._log.warning("tierstore: no host pool registered as %r", pool)
+            return None
+        if host_indices is None or host_indices.numel() != len(keys) * info.page_size:
+            self._log.warning("tierstore %s: %d keys need %d host indices, got %s", pool,
+                              len(keys), len(keys) * info.page_size,
+                              None if host_indices is None else host_indices.numel())
+            return None
+        return [int(i) for i in host_indices[::info.page_size].tolist()]
+
+    def _load(self, pool: str, keys: list[str], host_indices: Any) -> list[bool]:
+        started = time.perf_counter()
+        offsets = self._offsets(pool, keys, host_indices)
+        if offsets is None:
+            return [False] * len(keys)
+        info = self._pools[pool]
+        loaded = [False] * len(keys)
+        for start, values in self._fetch(self._ns(pool), [self._key(k, pool, info) for k in keys],
+                                         [info.page_bytes] * len(keys)):
+            for i, value in enumerate(values, start):
+                if value is None:
+                    continue
+                if len(value) != info.page_bytes:
+                    self._log.warning("tierstore %s page %s has %d bytes, expected %d", pool,
+                                      keys[i], len(value), info.page_bytes)
+                    continue
+                info.pool.set_from_flat_data_page(offsets[i],
+                                                  torch.frombuffer(value, dtype=info.dtype))
+                loaded[i] = True
+        self._counters.record("get", len(keys), sum(loaded), sum(loaded) * info.page_bytes,
+                              time.perf_counter() - started)
+        return loaded
+
+    def _save(self, pool: str, keys: list[str], host_indices: Any) -> list[bool]:
+        started = time.perf_counter()
+        offsets = self._offsets(pool, keys, host_indices)
+        if offsets is None:
+            return [False] * len(keys)
+        info = self._pools[pool]
+
+        def page(i: int) -> memoryview:
+            return _as_buffer(info.pool.get_data_page(offsets[i], flat=True))
+
+        stored = self._store(self._ns(pool), [self._key(k, pool, info) for k in keys],
+                             [info.page_bytes] * len(keys), page)
+        self._counters.record("set", len(keys), sum(stored), len(keys) * info.page_bytes,
+                              time.perf_counter() - started)
+        return stored
+
+    # ------------------------------------------------------------------ hybrid existence
+    @_shielded(lambda *_, **__: _sgl.PoolTransferResult.empty())
+    def batch_exists_v2(self, keys: list[str], pool_transfers: list[Any] | None = None,
+                        extra_info: Any = None) -> Any:
+        """The longest KV prefix at which every pool can be restored.
+
+        ``all_pages`` pools must hold every page of the prefix; ``trailing_pages`` pools only
+        the last ``len(transfer.keys)`` pages before its end (Mamba state, SWA window), so a
+        state page counts only when its KV prefix is stored too. Pool pages live under the KV
+        page hashes of ``keys``. The restorable lengths reported are all of them for KV and
+        ``all_pages`` pools, and the longest common one when a ``trailing_pages`` pool takes
+        part (the storage API answers prefix counts, not per-key presence).
+        """
+        keys = list(keys)
+        kv_pages = self._count(self._ns(KV), keys)
+        hits: dict[Any, int] = {_sgl.PoolName.KV: kv_pages} if kv_pages else {}
+        cap = kv_pages
+        trailing: list[tuple[str, list[str], int]] = []
+        for transfer in pool_transfers or []:
+            name = str(transfer.name)
+            info = self._pools.get(name)
+            if info is None or cap == 0:
+                if info is None:
+                    self._log.warning("tierstore: no host pool registered as %r", name)
+                cap = 0
+                break
+            ns, pool_keys = self._ns(name), [self._key(k, name, info) for k in keys[:kv_pages]]
+            if transfer.hit_policy == _sgl.PoolHitPolicy.ALL_PAGES:
+                own = self._count(ns, pool_keys)
+            elif transfer.hit_policy == _sgl.PoolHitPolicy.TRAILING_PAGES:
+                window = max(1, len(transfer.keys or []))
+                own = self._last_window(ns, pool_keys, window, kv_pages)
+                trailing.append((ns, pool_keys, window))
+            else:
+                self._log.warning("tierstore: hit policy %s is not supported (pool %s)",
+                                  transfer.hit_policy, name)
+                own = 0
+            if own:
+                hits[transfer.name] = own
+            cap = min(cap, own)
+        end = cap
+        while end > 0 and trailing:  # every trailing window must end at the same page
+            common = min(self._last_window(ns, pk, w, end) for ns, pk, w in trailing)
+            if common == end:
+                break
+            end = common
+        restorable = [end] if trailing and end else list(range(1, end + 1))
+        return _sgl.PoolTransferResult(end, hits, restorable)
+
+    def _last_window(self, ns: str, pool_keys: list[str], window: int, end: int) -> int:
+        """The largest ``p <= end`` with ``pool_keys[p - window:p]`` all stored (0: none)."""
+        while end > 0:
+            start = max(0, end - window)
+            found = self._count(ns, pool_keys[start:end])
+            if found == end - start:
+                return end
+            end = start + found  # every window ending past the missing page contains it
+        return 0
+
+    # ------------------------------------------------------------------ control
+    @_shielded(lambda *_, **__: False)
+    def clear(self) -> bool:
+        """Delete every page this backend stored (the storage API has no namespace-wide
+        delete); False when some could not be deleted or were past the tracking limit."""
+        with self._lock:
+            written, self._written = list(self._written), {}
+            untracked, self._untracked = self._untracked, 0
+        by_ns: dict[str, list[str]] = {}
+        for ns, key in written:
+            by_ns.setdefault(ns, []).append(key)
+        ok = untracked == 0
+        for ns, keys in by_ns.items():
+            for part in _chunks([0] * len(keys), self.config.max_batch, 1):
+                deleted = self._request(None, functools.partial(self._client.delete,
+                                                                keys[part], ns))
+                ok = ok and deleted is not None
+        log.info("tierstore HiCache L3: cleared %d pages%s", len(written),
+                 f" ({untracked} stored past the tracking limit remain)" if untracked else "")
+        return ok
+
+    @_shielded(lambda *_, **__: None)
+    def get_stats(self) -> Any:
+        """SGLang's ``StorageMetrics`` (per-batch lists since the last call, filled when storage
+        metrics are on) with the cumulative counters as ``.tierstore``."""
+        with self._counters.lock:
+            lists = {k: list(v) for k, v in self._counters.lists.items()}
+            for v in self._counters.lists.values():
+                v.clear()
+            totals = dict(self._counters.totals)
+        metrics = _storage_metrics(lists)
+        metrics.tierstore = totals
+        return metrics
+
+    def close(self) -> None:
+        """Close the client and its event-loop thread."""
+        self._client.close()
