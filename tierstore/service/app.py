@@ -34,7 +34,6 @@ from tierstore.service.codec import (
     error_response,
     field,
     msgpack_chunks,
-    msgpack_response,
     read_body,
     stack,
     tokens_field,
@@ -231,14 +230,7 @@ class Service:
         namespace = check_namespace(field(body, "namespace", str, default="default"))
         chunks, done = await self.run(self._fetch, tokens, namespace)
         try:
-            response = web.StreamResponse(headers={"Content-Type": MSGPACK})
-            response.content_length = sum(len(c) if isinstance(c, bytes) else c.nbytes
-                                          for c in chunks)
-            await response.prepare(request)
-            for chunk in chunks:
-                await response.write(chunk)
-            await response.write_eof()
-            return response
+            return await _stream(request, chunks)
         finally:
             await self.run(done)
 
@@ -327,9 +319,10 @@ class Service:
             raise HTTPError(422, "wrong_shape", f"{len(keys)} keys but {len(values)} values")
         return web.json_response({"stored": await self.kv.batch_set(keys, values)})
 
-    async def batch_get(self, request: web.Request) -> web.Response:
+    async def batch_get(self, request: web.Request) -> web.StreamResponse:
         keys = self._keys(await read_body(request))
-        return msgpack_response({"values": await self.kv.batch_get(keys)})
+        values = await self.kv.batch_get(keys)  # immutable bytes: stream them as they are
+        return await _stream(request, msgpack_chunks({"values": values}))
 
     async def batch_exists(self, request: web.Request) -> web.Response:
         keys = self._keys(await read_body(request))
@@ -338,6 +331,17 @@ class Service:
     async def delete(self, request: web.Request) -> web.Response:
         keys = self._keys(await read_body(request))
         return web.json_response({"deleted": await self.kv.delete(keys)})
+
+
+async def _stream(request: web.Request, chunks: list[Any]) -> web.StreamResponse:
+    """Write a msgpack body given as chunks (see ``msgpack_chunks``) without joining them."""
+    response = web.StreamResponse(headers={"Content-Type": MSGPACK})
+    response.content_length = sum(len(c) if isinstance(c, bytes) else c.nbytes for c in chunks)
+    await response.prepare(request)
+    for chunk in chunks:
+        await response.write(chunk)
+    await response.write_eof()
+    return response
 
 
 def _views(rows: list[torch.Tensor]) -> list[memoryview]:
