@@ -123,7 +123,3 @@ def msgpack_chunks(payload: dict[str, Any]) -> list[Any]:
         else:
             chunks.append(packer.pack(value))
     return chunks
-
-
-def msgpack_response(payload: dict[str, Any]) -> web.Response:
-    return web.Response(body=msgpack.packb(payload, use_bin_type=True), content_type=MSGPACK)
