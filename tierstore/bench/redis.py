@@ -1,4 +1,4 @@
-"""Redis tier put/get MB/s vs redis-benchmark and plain redis-py, one server, one run.
+"""Redis tier put/get MB/s vs redis-benchmark, plain redis-py and LMCache, one server, one run.
 
 Starts its own ``redis-server`` on a free loopback port. For each value size it measures, in
 interleaved rounds:
@@ -7,7 +7,9 @@ interleaved rounds:
 - ``RedisTier.put_many`` / ``get_many`` (fresh buffers) / ``get_many(out=...)`` (received
   straight into preallocated buffers), ``CALLERS`` concurrent callers of ``BATCH`` items,
   the tier holding ``CONNECTIONS`` connections,
-- a plain single-connection redis-py asyncio ``SET``/``GET`` loop (the baseline).
+- a plain single-connection redis-py asyncio ``SET``/``GET`` loop (the baseline),
+- LMCache's ``RedisConnector.put`` / ``get`` (``_lmcache_driver.py``, run with the Python of a
+  separate LMCache venv, ``--lmcache-python``), ``CALLERS x BATCH`` objects in flight.
 
 Every contender cycles over ``--keyspace-mb`` of keys created before timing (redis-benchmark
 overwrites one key), so the timed SETs overwrite. Each figure is the median of the rounds
@@ -21,11 +23,13 @@ import argparse
 import asyncio
 import csv
 import io
+import json
 import os
 import statistics
 import subprocess
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import redis.asyncio as aredis
 
@@ -37,6 +41,13 @@ from tierstore.testing.redis_server import RedisServer, redis_binary
 
 _PREFIX = "bench"
 _FP = "benchfp"
+_LMCACHE_PYTHON = "/tmp/lmcache-venv/bin/python"
+_LMCACHE_DRIVER = Path(__file__).with_name("_lmcache_driver.py")
+_LMCACHE_UNIT = 1024  # the driver's KV chunk: 256 tokens x K,V x bfloat16 x hidden
+
+
+class LmcacheAbsent(RuntimeError):
+    """The LMCache venv's Python is missing or cannot import ``lmcache``."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,6 +60,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--connections", type=int, default=4, help="tier and benchmark conns")
     parser.add_argument("--callers", type=int, default=4, help="concurrent tier callers")
     parser.add_argument("--batch", type=int, default=4, help="items per put_many/get_many")
+    parser.add_argument(
+        "--lmcache-python",
+        default=_LMCACHE_PYTHON if os.path.exists(_LMCACHE_PYTHON) else "",
+        help=f"Python of a venv with lmcache ('' = off; default {_LMCACHE_PYTHON} if present)",
+    )
 
 
 def _parse_size(text: str) -> int:
@@ -59,6 +75,9 @@ def _parse_size(text: str) -> int:
 
 def run(args: argparse.Namespace) -> dict:
     sizes = [_parse_size(s) for s in args.sizes.split(",")]
+    lmcache = _lmcache_status(args.lmcache_python)
+    if lmcache["status"] == "on" and any(size % _LMCACHE_UNIT for size in sizes):
+        raise ValueError(f"LMCache needs sizes in multiples of {_LMCACHE_UNIT} B, got {sizes}")
     rows: list[dict[str, object]] = []
     started = time.perf_counter()
     with RedisServer() as server:
@@ -69,6 +88,11 @@ def run(args: argparse.Namespace) -> dict:
                 figures = _redis_benchmark(server.port, size, count, args.connections)
                 figures.update(asyncio.run(_tier(server.url, size, count, args)))
                 figures.update(asyncio.run(_plain(server.url, size, count, args.keyspace_mb)))
+                if lmcache["status"] == "on":
+                    try:
+                        figures.update(_lmcache(server.url, size, count, args, lmcache))
+                    except LmcacheAbsent as exc:
+                        lmcache.update(status="absent", reason=str(exc))
                 server.command("FLUSHALL")
                 for name, value in figures.items():
                     samples.setdefault(name, []).append(value)
@@ -81,6 +105,11 @@ def run(args: argparse.Namespace) -> dict:
             row["put_vs_plain"] = best["tier_put"] / best["plain_set"]
             row["get_vs_plain"] = best["tier_get"] / best["plain_get"]
             row["plain_get_vs_rb"] = best["plain_get"] / best["rb_get"]
+            if "lmcache_get" in best and lmcache["status"] == "on":
+                row["put_vs_lmcache"] = best["tier_put"] / best["lmcache_put"]
+                row["get_vs_lmcache"] = best["tier_get"] / best["lmcache_get"]
+                # LMCache's get lands in a buffer its allocator owns, like get_many(out=...)
+                row["get_into_vs_lmcache"] = best["tier_get_into"] / best["lmcache_get"]
             rows.append(row)
     return {
         "note": (
@@ -94,6 +123,7 @@ def run(args: argparse.Namespace) -> dict:
         "batch": args.batch,
         "rounds": args.rounds,
         "total_mb": args.total_mb,
+        "lmcache": lmcache,
         "seconds": time.perf_counter() - started,
         "rows": rows,
     }
@@ -109,7 +139,48 @@ def render(result: dict) -> str:
         f"{result['connections']} connections; median of {result['rounds']} rounds, "
         f"{result['seconds']:.0f} s"
     )
-    return "\n\n".join([head, table(result["rows"], columns), table(result["rows"], gets)])
+    parts = [head, table(result["rows"], columns), table(result["rows"], gets)]
+    lmcache = result.get("lmcache", {"status": "off"})
+    if lmcache["status"] == "on":
+        vs = ["size_kib", "lmcache_put", "tier_put", "put_vs_lmcache"]
+        vs += ["lmcache_get", "tier_get", "get_vs_lmcache", "get_into_vs_lmcache"]
+        parts.append(
+            f"LMCache {lmcache.get('version', '?')} RedisConnector "
+            f"({lmcache.get('concurrency', '?')} in flight, hiredis={lmcache.get('hiredis')}; "
+            f"{lmcache['python']}):\n{table(result['rows'], vs)}"
+        )
+    else:
+        parts.append(f"LMCache: {lmcache['status']} ({lmcache.get('reason', '')})")
+    return "\n\n".join(parts)
+
+
+def _lmcache_status(python: str) -> dict[str, object]:
+    """Whether the LMCache contender runs: ``on``, ``off`` (flag empty) or ``absent``."""
+    if not python:
+        return {"status": "off", "reason": "--lmcache-python ''"}
+    if not os.access(python, os.X_OK):
+        return {"status": "absent", "reason": f"{python} not found", "python": python}
+    return {"status": "on", "python": python}
+
+
+def _lmcache(
+    url: str, size: int, count: int, args: argparse.Namespace, info: dict[str, object]
+) -> dict[str, float]:
+    """One round of LMCache's connector in its own venv; records what it measured in ``info``."""
+    cmd = [str(info["python"]), str(_LMCACHE_DRIVER), "--url", url, "--size", str(size)]
+    cmd += ["--count", str(count), "--rounds", "1", "--keyspace-mb", str(args.keyspace_mb)]
+    cmd += ["--concurrency", str(args.callers * args.batch)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    reply = json.loads(lines[-1]) if lines else {}
+    if done.returncode == 2 and "error" in reply:
+        raise LmcacheAbsent(reply["error"])
+    if done.returncode != 0 or "get" not in reply:
+        tail = done.stderr.strip().splitlines()[-5:]
+        raise RuntimeError(f"LMCache driver exited {done.returncode}: {' | '.join(tail)}")
+    for key in ("lmcache_version", "hiredis", "concurrency", "executor_workers", "measured"):
+        info[key.removeprefix("lmcache_")] = reply[key]
+    return {"lmcache_put": reply["put"], "lmcache_get": reply["get"]}
 
 
 def _redis_benchmark(port: int, size: int, count: int, connections: int) -> dict[str, float]:
