@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -41,6 +42,9 @@ MEMMOVE_ITEM_BYTES = 256 << 10
 TASK_BYTES = 1 << 20
 """Bytes per task handed to a thread (cache-sized: a numpy gather's temporary stays warm)."""
 _MAX_THREADS = 8
+# The copy threads follow the CPUs this process may use, not torch's intra-op setting (which a
+# service pins to 1 so that its many small tensor ops do not stall).
+_CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def copy_host(
@@ -99,9 +103,9 @@ def memmove_all(writes: list[int], reads: list[int], nbytes: int) -> None:
 
 def run_tasks(count: int, per_task: int, task: Callable[[int, int], None]) -> None:
     """Call ``task(lo, hi)`` over consecutive ranges of ``per_task`` covering ``[0, count)``, in
-    no particular order: the calling thread and up to ``torch.get_num_threads() - 1`` helpers
+    no particular order: the calling thread and up to ``_CPUS - 1`` helpers
     take ranges from one shared queue until it is empty."""
-    threads = min(torch.get_num_threads(), _MAX_THREADS, -(-count // per_task))
+    threads = min(_CPUS, _MAX_THREADS, -(-count // per_task))
     starts = iter(range(0, count, per_task))  # shared: next() is atomic under the GIL
 
     def worker() -> None:
