@@ -60,9 +60,9 @@ class RemoteBridge:
         """Start a get in the background; the future's result is as :meth:`get`'s."""
         return asyncio.run_coroutine_threadsafe(self._tier.get_many(list(keys)), self._loop)
 
-    def exists_prefix(self, keys: Sequence[str]) -> int:
-        """How many of ``keys``, from the first, exist."""
-        return self._run(self._tier.exists_prefix(keys), 0) if keys else 0
+    def exists_prefix(self, keys: Sequence[str], timeout: float | None = None) -> int:
+        """How many of ``keys``, from the first, exist (0 on failure or past ``timeout``)."""
+        return self._run(self._tier.exists_prefix(keys), 0, timeout) if keys else 0
 
     def exists_each(self, keys: Sequence[str], timeout: float | None = None
                     ) -> list[bool] | None:

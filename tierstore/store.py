@@ -97,8 +97,9 @@ class TierStore(InputChecks, TierMovement):
         keys = self.hasher.pages(toks, check_namespace(namespace))
         self._pump()
         best_effort = self.config.prefetch == "best_effort"
+        timeout = self.config.prefetch_timeout_s if self.config.prefetch == "timeout" else None
         if self.remote is not None and not best_effort:
-            self._discover(keys)
+            self._discover(keys, timeout)
         self._requests += 1
         self._tokens_queried += len(toks)
         tiers: tuple[int, ...] = (1, 2) if best_effort else (1, 2, 3)
@@ -106,7 +107,6 @@ class TierStore(InputChecks, TierMovement):
             deeper = self._usable(self.index.walk(keys), (1, 2, 3))[0]
             if deeper > self._usable(self.index.walk(keys), tiers)[0]:
                 self._prefetch(keys, deeper)
-        timeout = self.config.prefetch_timeout_s if self.config.prefetch == "timeout" else None
         for _ in range(4):
             path = self.index.walk(keys)
             pages, found = self._usable(path, tiers)
@@ -187,7 +187,7 @@ class TierStore(InputChecks, TierMovement):
             end -= 1
         return end, found
 
-    def _discover(self, keys: list[bytes]) -> None:
+    def _discover(self, keys: list[bytes], timeout: float | None) -> None:
         """Learn pages that L3 holds beyond what the index knows (written by another instance
         or before a restart) and hang them into the index as L3-resident."""
         assert self.remote is not None
@@ -196,15 +196,15 @@ class TierStore(InputChecks, TierMovement):
         if known == len(keys):
             return
         rest = keys[known:]
-        found = self.remote.exists_prefix([self.remote.key(k, "kv") for k in rest])
+        found = self.remote.exists_prefix([self.remote.key(k, "kv") for k in rest], timeout)
         if found == 0:
             return
         rest = rest[:found]
-        swa = self.remote.exists_each([self.remote.key(k, "swa") for k in rest]) \
+        swa = self.remote.exists_each([self.remote.key(k, "swa") for k in rest], timeout) \
             if self.layout.swa is not None else [False] * found
         ends = [found]
         if self.layout.state is not None:
-            state = self.remote.exists_each([self.remote.key(k, "state") for k in rest])
+            state = self.remote.exists_each([self.remote.key(k, "state") for k in rest], timeout)
             ends = [i + 1 for i, ok in enumerate(state or []) if ok]
             if not ends:
                 return  # KV without any checkpoint cannot serve a hybrid match
