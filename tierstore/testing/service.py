@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 
 from aiohttp import web
@@ -12,12 +11,9 @@ from remote_tier import RemoteTierConfig
 from tierstore.service.app import Service
 from tierstore.service.config import ServiceConfig
 from tierstore.store import TierStore
+from tierstore.testing.redis_server import free_port
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+__all__ = ["RunningService", "free_port"]
 
 
 class RunningService:
