@@ -11,6 +11,7 @@ measured around each call.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -59,8 +60,6 @@ class ServiceTarget:
         self._start = stats
 
     def _timed(self, what: str, call: Any, *args: Any, **kwargs: Any) -> Any:
-        import time
-
         start = time.perf_counter()
         try:
             return call(*args, **kwargs)
