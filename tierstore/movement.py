@@ -99,10 +99,9 @@ class TierMovement:
         assert self.host is not None
         plan = {k: [j for j, v in enumerate(node.col(k, 1)) if v >= 0 and node.col(k, 2)[j] < 0]
                 for k in PAGE_KINDS if k in self.kinds}
-        state = "state" in self.kinds and node.state >= 0 and node.state2 < 0
+        if "state" in self.kinds and node.state >= 0 and node.state2 < 0:
+            plan["state"] = [-1]  # the checkpoint (index -1, as in _entry)
         demand = {k: len(js) for k, js in plan.items() if js}
-        if state:
-            demand["state"] = 1
         if not demand:
             return True
         self.index.lock(node, +1)  # keep L2 eviction off this node's own pages
@@ -114,22 +113,16 @@ class TierMovement:
         for kind, js in plan.items():
             if js:
                 self._copy_down(node, kind, js)
-        if state:
-            host_id = self.host.arena.alloc("state", 1)
-            assert host_id is not None
-            self.host.store(self.arena, "state", [node.state], host_id)
-            node.state2 = int(host_id[0])
-            self._moved["l1_to_l2"] += self.arena.spec("state").unit_bytes
         return True
 
     def _copy_down(self, node: Node, kind: str, js: list[int]) -> None:
+        """Copy entries ``js`` of ``kind`` (page indexes; -1: the checkpoint) L1 -> L2."""
         assert self.host is not None
         host_ids = self.host.arena.alloc(kind, len(js))
         assert host_ids is not None, f"room was made in L2 for {len(js)} {kind} blocks"
-        l1, l2 = node.col(kind, 1), node.col(kind, 2)
-        self.host.store(self.arena, kind, [l1[j] for j in js], host_ids)
+        self.host.store(self.arena, kind, [_entry((node, j, 1), kind, 1) for j in js], host_ids)
         for j, h in zip(js, host_ids.tolist(), strict=True):
-            l2[j] = h
+            _set_entry((node, j, 2), kind, 2, h)
         self._moved["l1_to_l2"] += len(js) * self.arena.spec(kind).unit_bytes
 
     # ------------------------------------------------------------------ L3
