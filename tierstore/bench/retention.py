@@ -59,17 +59,24 @@ def _prefix(i: int, n: int) -> list[int]:
     return [(i * 7919 + j * 31 + 1) % 150_000 for j in range(n)]
 
 
+def fill_prefixes(store: TierStore, count: int, tokens: int) -> None:
+    """Cache ``count`` distinct prefixes of ``tokens`` tokens, each with its KV pages, SWA
+    window pages and a state checkpoint (as the layout has them), through allocate + insert."""
+    layout = store.layout
+    for i in range(count):
+        alloc = store.allocate(_demand(layout, tokens, True))
+        assert alloc is not None, "the arena cannot hold the prefixes: raise --capacity-mib"
+        store.insert(_prefix(i, tokens), kv=alloc["kv"],
+                     swa=alloc["swa"] if layout.swa is not None else None,
+                     state=alloc["state"] if layout.state is not None else None)
+
+
 def _scenario(args: argparse.Namespace, layout: ModelLayout, capacity: int, rule: str,
               chunk: int) -> dict[str, object]:
     store = TierStore(layout, StoreConfig(capacity_bytes=capacity, device="meta",
                                           stop_rule=rule, eviction=args.policy))  # type: ignore[arg-type]
     pages = args.prefix_tokens // layout.page_size
-    for i in range(args.prefixes):
-        alloc = store.allocate(_demand(layout, pages * layout.page_size, True))
-        assert alloc is not None, "the arena cannot hold the prefixes: raise --capacity-mib"
-        store.insert(_prefix(i, pages * layout.page_size), kv=alloc["kv"],
-                     swa=alloc["swa"] if layout.swa is not None else None,
-                     state=alloc["state"] if layout.state is not None else None)
+    fill_prefixes(store, args.prefixes, pages * layout.page_size)
     long_request = []
     done = 0
     while done < args.long_tokens:

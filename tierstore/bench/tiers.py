@@ -77,12 +77,7 @@ def _tiered(args: argparse.Namespace, url: str, rule: str) -> dict[str, object]:
                          host_capacity_bytes=int(args.host_mib * MiB), remote=remote)
     with TierStore(layout, config) as store:
         store.remote.clear()  # type: ignore[union-attr]
-        for i in range(args.prefixes):
-            alloc = store.allocate(retention._demand(layout, tokens, True))
-            assert alloc is not None
-            store.insert(retention._prefix(i, tokens), kv=alloc["kv"],
-                         swa=alloc["swa"] if layout.swa is not None else None,
-                         state=alloc["state"] if layout.state is not None else None)
+        retention.fill_prefixes(store, args.prefixes, tokens)
         long_request = store.allocate(retention._demand(layout, args.long_tokens, True))
         assert long_request is not None, "the long request does not fit"
         for kind, ids in long_request.blocks.items():
