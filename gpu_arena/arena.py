@@ -71,7 +71,7 @@ class Arena:
         self._low, self._float, self._high = (by_anchor.get(a) for a in ("low", "float", "high"))
         self._fences: list[Fence] = []
         self._views: dict[str, torch.Tensor] = {}
-        self._device_tables: dict[str, tuple[int, torch.Tensor]] = {}
+        self._device_tables: dict[str, tuple[int, torch.Tensor]] = {}  # pool -> (stream, loc)
         self.compactions = 0
 
     # ================================================================ public API
@@ -472,13 +472,20 @@ class Arena:
         return view
 
     def _device_table(self, p: Pool) -> torch.Tensor:
+        """``p.loc`` on the arena's device. The mirror is patched in place on the current stream
+        with only the entries changed since the last call (the pool logs them), so a resolve
+        after a few allocations copies a few entries, not the table. A call from another stream
+        gets a fresh copy: a kernel still queued on the old stream may be reading the old one."""
         if self.device.type in ("cpu", "meta"):  # meta: accounting only, tables stay on CPU
             return p.loc
-        version = p.version
+        stream = torch.cuda.current_stream(self.device)
         cached = self._device_tables.get(p.name)
-        if cached is None or cached[0] != version:
-            cached = (version, p.loc.to(self.device))
-            self._device_tables[p.name] = cached
+        if cached is None or cached[0] != stream.cuda_stream:
+            table = p.loc.to(self.device)
+            self._device_tables[p.name] = (stream.cuda_stream, table)
+            p.start_log()
+            return table
+        p.patch(cached[1])
         return cached[1]
 
 

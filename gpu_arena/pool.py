@@ -40,7 +40,9 @@ class Pool:
         self.num_live = 0
         self.num_pending = 0
         self.moves = 0
-        self.version = 0  # bumped whenever `loc` changes (device mirrors re-copy)
+        # Ids whose `loc` entry changed since a device mirror last synced (None: not logging).
+        self.changed: list[torch.Tensor] | None = None
+        self.num_changed = 0
         self.fenced_refs = 0  # (slot, fence) pairs pending: 0 lets hot paths skip fence checks
 
     # ----------------------------------------------------------------- queries
@@ -107,7 +109,7 @@ class Pool:
         self.loc[ids] = slots
         self.owner[slots] = ids
         self.num_live += n
-        self.version += 1
+        self._log(ids)
         return ids
 
     def release_ids(self, ids: torch.Tensor) -> torch.Tensor:
@@ -119,7 +121,7 @@ class Pool:
         self.free_ids[self.num_free_ids : self.num_free_ids + n] = ids.flip(0)
         self.num_free_ids += n
         self.num_live -= n
-        self.version += 1
+        self._log(ids.clone())
         if self.fenced_refs:
             self.num_pending += int(self._fenced_at(slots).sum())
         return slots
@@ -133,7 +135,36 @@ class Pool:
         if self.fenced_refs:
             self.num_pending += int(self._fenced_at(src).sum())
         self.moves += src.numel()
-        self.version += 1
+        self._log(ids)
+
+    def start_log(self) -> None:
+        """Start (or restart) logging which ids' ``loc`` entries change, for :meth:`patch`."""
+        self.changed = []
+        self.num_changed = 0
+
+    def patch(self, mirror: torch.Tensor) -> None:
+        """Bring ``mirror`` (a copy of ``loc`` as it was at the last :meth:`start_log` or
+        ``patch``, on any device) up to date, copying only the changed entries; enqueued on the
+        mirror's current stream."""
+        assert self.changed is not None, f"pool {self.name}: patch without start_log"
+        if self.num_changed >= self.max_slots:
+            mirror.copy_(self.loc)
+        elif self.changed:
+            ids = torch.cat(self.changed)
+            mirror.index_copy_(0, ids.to(mirror.device), self.loc[ids].to(mirror.device))
+        self.start_log()
+
+    def _log(self, ids: torch.Tensor) -> None:
+        """Remember ``ids`` for the device mirror. Past a quarter of the table a full copy is
+        cheaper than the scatter, so the log collapses to ``num_changed = max_slots``."""
+        if self.changed is None or self.num_changed >= self.max_slots:
+            return
+        self.num_changed += ids.numel()
+        if self.num_changed * 4 >= self.max_slots:
+            self.changed.clear()
+            self.num_changed = self.max_slots
+        else:
+            self.changed.append(ids)
 
     def add_fence(self, slots: torch.Tensor, write: bool, delta: int) -> None:
         """Count a fence on (``delta=1``) or off (``delta=-1``) ``slots``."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
+
 from remote_tier import RemoteTierConfig
 from tierstore.eviction import POLICIES, PolicyName, StopRule
 from tierstore.hashing import HashName
@@ -48,6 +50,12 @@ class StoreConfig:
     def __post_init__(self) -> None:
         if self.capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {self.capacity_bytes}")
+        try:
+            kind = torch.device(self.device).type
+        except RuntimeError as e:
+            raise ValueError(f"device must be a torch device string, got {self.device!r}") from e
+        if kind not in ("cpu", "cuda", "meta"):
+            raise ValueError(f"device must be cpu, cuda[:N] or meta, got {self.device!r}")
         if self.eviction not in POLICIES:
             raise ValueError(f"eviction must be one of {sorted(POLICIES)}, got {self.eviction!r}")
         if self.stop_rule not in ("unified", "per_kind"):

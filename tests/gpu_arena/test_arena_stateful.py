@@ -1,10 +1,12 @@
 """Random alloc / free / write / compact / fence sequences over three pools of different unit
-sizes; after every step every live block reads back the bytes last written to it."""
+sizes; after every step every live block reads back the bytes last written to it, and every
+resolve agrees with the location table. The same machine runs on CUDA when there is a GPU."""
 
 from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -17,9 +19,11 @@ CAPACITY = 2048 + 16  # not a multiple of any unit: the high band's origin is of
 
 
 class ArenaMachine(RuleBasedStateMachine):
+    DEVICE = "cpu"
+
     def __init__(self) -> None:
         super().__init__()
-        self.arena = Arena(CAPACITY, POOLS)
+        self.arena = Arena(CAPACITY, POOLS, device=self.DEVICE)
         self.units = {p.name: p.unit_bytes for p in POOLS}
         self.data: dict[tuple[str, int], torch.Tensor] = {}  # (pool, id) -> expected bytes
         # Each pending fence: its pool, block id, slot at fencing time, and whether the block
@@ -122,9 +126,29 @@ class ArenaMachine(RuleBasedStateMachine):
             assert self.arena.num_live(pool) == len(ids)
             if not ids:
                 continue
-            got = self.arena.read(pool, ids)
+            got = self.arena.read(pool, ids).cpu()
             want = torch.stack([self.data[(pool, i)] for i in ids])
             assert torch.equal(got, want), f"{pool}: bytes changed"
+
+    @invariant()
+    def resolve_matches_reads(self) -> None:
+        """``resolve`` (the device mirror of the location table on CUDA, patched with only what
+        changed) names the slots whose bytes ``read`` returns."""
+        for pool in self.units:
+            ids = self._live(pool)
+            if not ids:
+                continue
+            slots = self.arena.resolve(pool, ids).cpu()
+            rows = self.arena.buffer.cpu()[self._slot_bytes(pool, slots)]
+            want = torch.stack([self.data[(pool, i)] for i in ids])
+            assert torch.equal(rows, want), f"{pool}: resolve points at the wrong slots"
+
+    def _slot_bytes(self, pool: str, slots: torch.Tensor) -> torch.Tensor:
+        """Byte offsets ``[n, unit]`` of ``slots`` in the arena buffer."""
+        spec = self.arena.spec(pool)
+        origin = CAPACITY % spec.unit_bytes if spec.anchor == "high" else 0
+        unit = spec.unit_bytes
+        return origin + slots.unsqueeze(1) * unit + torch.arange(unit)
 
     @invariant()
     def write_fenced_blocks_stay(self) -> None:
@@ -138,3 +162,12 @@ ArenaMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestArenaMachine = ArenaMachine.TestCase
+
+
+class CudaArenaMachine(ArenaMachine):
+    DEVICE = "cuda"
+
+
+CudaArenaMachine.TestCase.settings = ArenaMachine.TestCase.settings
+TestCudaArenaMachine = pytest.mark.gpu(pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")(CudaArenaMachine.TestCase))

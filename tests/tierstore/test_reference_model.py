@@ -1,8 +1,11 @@
 """End to end: the reference hybrid model's logits with a prefix hit equal those computed from
-scratch — through eviction pressure and compaction."""
+scratch — through eviction pressure and compaction, and from the host and Redis tiers. The
+tests that take ``device`` also run with the whole store (arena, kernels, pinned host tier) on
+CUDA when there is a GPU."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tierstore.config import StoreConfig
@@ -10,6 +13,13 @@ from tierstore.store import TierStore
 from tierstore.testing.reference_model import ReferenceModel, tiny_layout
 
 LAYOUT = tiny_layout(page_size=4)
+CUDA = pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])
+
+
+@pytest.fixture(params=["cpu", CUDA])
+def device(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
 
 
 def model(capacity: int = 1 << 20, **kwargs: object) -> ReferenceModel:
@@ -17,23 +27,27 @@ def model(capacity: int = 1 << 20, **kwargs: object) -> ReferenceModel:
     return ReferenceModel(store, seed=7)
 
 
+def same_logits(served: torch.Tensor, p: list[int], new: int = 4) -> bool:
+    """``served`` equals the logits computed from scratch on the same device. A GPU may pick
+    other reduction orders for other shapes, hence the looser bound there."""
+    cold = model(device=str(served.device)).generate(p, new, use_cache=False).logits
+    return torch.allclose(served, cold, atol=1e-6 if served.device.type == "cpu" else 1e-5,
+                          rtol=0)
+
+
 def prompt(n: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return [int(t) for t in torch.randint(0, 97, (n,), generator=g)]
 
 
-def cold_logits(p: list[int], new: int = 4) -> torch.Tensor:
-    return model().generate(p, new, use_cache=False).logits
-
-
-def test_prefix_hit_gives_the_same_logits() -> None:
+def test_prefix_hit_gives_the_same_logits(device: str) -> None:
     p = prompt(27, 1)
-    m = model()
+    m = model(device=device)
     first = m.generate(p, 4)
     assert first.cached_tokens == 0
     second = m.generate(p, 4)
     assert second.cached_tokens == 24  # the checkpoint at the last full page of the prompt
-    assert torch.allclose(second.logits, cold_logits(p), atol=1e-6, rtol=0)
+    assert same_logits(second.logits, p)
     assert second.tokens == first.tokens
     m.store.check_integrity()
 
@@ -45,14 +59,14 @@ def test_shared_prefix_of_another_request_is_reused() -> None:
     other = base + prompt(11, 3)
     served = m.generate(other, 3)
     assert served.cached_tokens == 16
-    assert torch.allclose(served.logits, cold_logits(other, 3), atol=1e-6, rtol=0)
+    assert same_logits(served.logits, other, 3)
 
 
-def test_hit_after_eviction_pressure_and_compaction() -> None:
+def test_hit_after_eviction_pressure_and_compaction(device: str) -> None:
     units = {k: e.nbytes for k, e in LAYOUT.envelopes().items()}
     # Room for about four requests' worth of blocks: later requests force evictions.
     capacity = 4 * (8 * (units["kv"] + units["swa"]) + 3 * units["state"])
-    m = model(capacity)
+    m = model(capacity, device=device)
     target = prompt(30, 10)
     m.generate(target, 2)
     for i in range(12):
@@ -66,7 +80,7 @@ def test_hit_after_eviction_pressure_and_compaction() -> None:
     m.store.check_integrity()
     served = m.generate(target, 4)
     assert served.cached_tokens == 28
-    assert torch.allclose(served.logits, cold_logits(target), atol=1e-6, rtol=0)
+    assert same_logits(served.logits, target)
 
 
 def test_evicted_prefix_is_recomputed_correctly() -> None:
@@ -79,7 +93,7 @@ def test_evicted_prefix_is_recomputed_correctly() -> None:
     assert m.store.peek(target[:-1]) == 0  # pushed out
     served = m.generate(target, 4)
     assert served.cached_tokens == 0
-    assert torch.allclose(served.logits, cold_logits(target), atol=1e-6, rtol=0)
+    assert same_logits(served.logits, target)
     m.store.check_integrity()
 
 
@@ -97,10 +111,10 @@ def _pushed_out(m: ReferenceModel, target: list[int], others: int, seed: int) ->
     assert m.store.peek(target[:-1]) == 0, "the target should have left L1"
 
 
-def test_prefix_back_from_host_tier_gives_the_same_logits() -> None:
+def test_prefix_back_from_host_tier_gives_the_same_logits(device: str) -> None:
     units = {k: e.nbytes for k, e in LAYOUT.envelopes().items()}
     one = 8 * (units["kv"] + units["swa"]) + 3 * units["state"]
-    m = model(2 * one, host_capacity_bytes=20 * one)
+    m = model(2 * one, host_capacity_bytes=20 * one, device=device)
     target = prompt(30, 30)
     m.generate(target, 2)
     _pushed_out(m, target, 4, 300)
@@ -108,16 +122,17 @@ def test_prefix_back_from_host_tier_gives_the_same_logits() -> None:
     served = m.generate(target, 4)
     assert served.cached_tokens == 28
     assert m.store.stats().hit_requests["l2"] >= 1
-    assert torch.allclose(served.logits, cold_logits(target), atol=1e-6, rtol=0)
+    assert same_logits(served.logits, target)
     m.store.check_integrity()
 
 
-def test_prefix_back_from_redis_gives_the_same_logits(redis_url: str) -> None:
+def test_prefix_back_from_redis_gives_the_same_logits(redis_url: str, device: str) -> None:
     from remote_tier import RemoteTierConfig
 
     units = {k: e.nbytes for k, e in LAYOUT.envelopes().items()}
     one = 8 * (units["kv"] + units["swa"]) + 3 * units["state"]
-    m = model(2 * one, remote=RemoteTierConfig(url=redis_url, key_prefix="ref"))
+    m = model(2 * one, remote=RemoteTierConfig(url=redis_url, key_prefix="ref"),
+              device=device)
     target = prompt(30, 40)
     m.generate(target, 2)
     _pushed_out(m, target, 4, 400)
@@ -125,6 +140,6 @@ def test_prefix_back_from_redis_gives_the_same_logits(redis_url: str) -> None:
     served = m.generate(target, 4)
     assert served.cached_tokens == 28
     assert m.store.stats().hit_requests["l3"] >= 1
-    assert torch.allclose(served.logits, cold_logits(target), atol=1e-6, rtol=0)
+    assert same_logits(served.logits, target)
     m.store.check_integrity()
     m.store.close()

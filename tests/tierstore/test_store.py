@@ -243,3 +243,11 @@ def test_cache_ids_cannot_be_stolen_by_another_prefix(hybrid: TierStore) -> None
         hybrid.free("kv", m.kv)
     hybrid.release(m.lease)  # type: ignore[arg-type]
     hybrid.check_integrity()
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:x", "xla"])
+def test_bad_device_is_a_config_error(device: str) -> None:
+    from tierstore.config import StoreConfig
+
+    with pytest.raises(ValueError, match="device"):
+        StoreConfig(capacity_bytes=1 << 20, device=device)

@@ -74,6 +74,10 @@ class ReferenceModel:
             else:
                 self.weights.append({"q": w(attn, d), "k": w(attn, d), "v": w(attn, d),
                                      "o": w(d, attn)})
+        # The weights live where the arena does, so a CUDA store runs the model on the GPU.
+        device = store.arena.device
+        self.embed, self.lm_head = self.embed.to(device), self.lm_head.to(device)
+        self.weights = [{k: t.to(device) for k, t in wts.items()} for wts in self.weights]
         self.views = self._views()
 
     def _views(self) -> dict[str, torch.Tensor]:
