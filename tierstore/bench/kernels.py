@@ -13,6 +13,10 @@ kept, so a noisy neighbour hurts all alike):
 On CPU the envelopes move within one buffer (compaction: live slots into free ones). With CUDA
 (and CuPy for the kernel rows) it adds device->device, device->pinned host and pinned host->device.
 Remap translates a batch of virtual ids to slots (and per-token slots for ``--page-size``).
+Table sync: after k blocks move, the arena brings its device copy of a pool's location table up
+to date by patching the k changed entries (``Pool.patch``) instead of copying the whole table;
+both run side by side (each round moves k blocks, then syncs), on the CPU and, with CUDA, into
+device memory.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from collections.abc import Callable
 import torch
 
 import kernels
+from gpu_arena.pool import Pool
+from gpu_arena.spec import PoolSpec
 from tierstore.bench._util import best_of, table
 
 _METHODS = ("contiguous", "strided_copy", "reference", "index_select", "loop_copy")
@@ -39,6 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="envelopes moved by the loop-of-copy_ contender (it is slow)")
     parser.add_argument("--ids", type=int, default=1 << 20, help="virtual ids per remap call")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per page for remap")
+    parser.add_argument("--table-slots", type=int, default=1 << 20,
+                        help="slots of the larger location table in the sync rows")
     parser.add_argument("--no-gpu", action="store_true", help="skip the CUDA measurements")
 
 
@@ -67,6 +75,7 @@ def run(args: argparse.Namespace) -> dict:
         "cuda_kernels": gpu and kernels.cuda_kernels_ready(),
         "copy": rows,
         "remap": _remap_rows(args, gpu),
+        "table_sync": _table_sync_rows(args, gpu),
     }
     result["seconds"] = round(time.perf_counter() - started, 1)
     return result
@@ -182,9 +191,58 @@ def _remap_call(
     return lambda: fn(table, ids, sink=0, page_size=page_size)
 
 
+def _table_sync_rows(args: argparse.Namespace, gpu: bool) -> list[dict[str, object]]:
+    """Seconds to move k blocks and bring a mirror of the location table up to date: patching
+    the changed entries vs copying the whole table."""
+    rows: list[dict[str, object]] = []
+    for device in ["cpu"] + (["cuda"] if gpu else []):
+        for slots in (1 << 16, args.table_slots):
+            for changed in (16, 1024):
+                pool = Pool(PoolSpec("kv", 16, "low"), origin=0, max_slots=slots, lo=0)
+                pool.take_ids(torch.arange(slots // 2))  # a half-full pool
+                pool.start_log()
+                mirror = pool.loc.to(device, copy=True)
+                times = {}
+                for method in ("patch", "full_copy"):
+                    call = _synced(_sync_call(pool, mirror, changed, method), device == "cuda")
+                    times[method] = best_of(call, repeat=args.rounds, min_time=0.05)
+                assert torch.equal(mirror.cpu(), pool.loc), "the mirror fell behind"
+                rows.append({"device": device, "slots": slots, "changed": changed,
+                             "patch_us": times["patch"] * 1e6 / _batch(device),
+                             "full_copy_us": times["full_copy"] * 1e6 / _batch(device),
+                             "speedup": times["full_copy"] / times["patch"]})
+    return rows
+
+
+def _batch(device: str) -> int:
+    return _CUDA_BATCH if device == "cuda" else 1
+
+
+def _sync_call(pool: Pool, mirror: torch.Tensor, changed: int, method: str
+               ) -> Callable[[], object]:
+    """Move ``changed`` blocks between the pool's two halves (back and forth), then sync."""
+    half = pool.max_slots // 2
+    a, b = torch.arange(changed), torch.arange(half, half + changed)
+    state = {"flip": False}
+
+    def call() -> None:
+        src, dst = (b, a) if state["flip"] else (a, b)
+        state["flip"] = not state["flip"]
+        pool.relink(src, dst)
+        if method == "patch":
+            pool.patch(mirror)
+        else:
+            mirror.copy_(pool.loc)
+            pool.start_log()
+
+    return call
+
+
 def render(result: dict) -> str:
     head = (f"device {result['device']}  torch threads {result['torch_threads']}  "
             f"cuda kernels {result['cuda_kernels']}  ({result['seconds']} s)\n{result['unit']}")
     copy = table(result["copy"], ["path", "size_kib", "method", "gb_s", "vs_contiguous"])
     remap = table(result["remap"], ["remap", "page_size", "ids", "ids_per_s", "slots_per_s"])
-    return f"{head}\n\n{copy}\n\n{remap}"
+    sync = table(result["table_sync"],
+                 ["device", "slots", "changed", "patch_us", "full_copy_us", "speedup"])
+    return f"{head}\n\n{copy}\n\n{remap}\n\nlocation-table sync after k moves:\n{sync}"
