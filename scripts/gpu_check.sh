@@ -138,6 +138,9 @@ for (path, kib), m in sorted(best.items()):
     print(f"{path} {kib:>5} KiB  GB/s: {figures}")
 for row in result["remap"]:
     print(f"remap {row['remap']} page {row['page_size']}: {row['ids_per_s']:.3g} ids/s")
+for row in result.get("table_sync", []):
+    print(f"table sync {row['device']} {row['slots']} slots, {row['changed']} moved: "
+          f"patch {row['patch_us']:.1f} us, full copy {row['full_copy_us']:.1f} us")
 PYEOF
 fi
 exit "$FAILED"
