@@ -72,6 +72,7 @@ class CupyBackend:
         try:
             for kernel in kernels:
                 self._function(module, kernel, index)
+            self._stream(index)  # wrapping torch's stream must work too, or no launch would
         except Exception:
             log.warning("kernels: %s.cu failed to load on cuda:%d; using the torch reference",
                         module, index, exc_info=True)
@@ -126,11 +127,11 @@ class CupyBackend:
         if stream is None:
             if len(self._streams) >= _MAX_STREAMS:
                 self._streams.clear()
-            streams = self._cupy.cuda
-            if hasattr(streams.Stream, "from_external"):  # CuPy >= 14
-                stream = streams.Stream.from_external(current)
-            else:
-                stream = streams.ExternalStream(current.cuda_stream, index)
+            cuda = self._cupy.cuda
+            if hasattr(cuda, "ExternalStream"):  # CuPy 9 and later
+                stream = cuda.ExternalStream(current.cuda_stream, index)
+            else:  # a CuPy without it: the __cuda_stream__ protocol
+                stream = cuda.Stream.from_external(current)
             self._streams[key] = stream
         return stream
 

@@ -20,7 +20,8 @@ from kernels._cuda import NVRTC_OPTIONS, CupyBackend, source
 class FakeCupy:
     """Records RawModule builds, launches and the device/stream in force at each launch."""
 
-    def __init__(self, *, broken: bool = False, pinned: bool = True) -> None:
+    def __init__(self, *, broken: bool = False, pinned: bool = True,
+                 external_stream: bool = False) -> None:
         self.builds: list[tuple[str, tuple[str, ...]]] = []
         self.launches: list[dict[str, Any]] = []
         self.current: dict[str, Any] = {"device": None, "stream": None}
@@ -63,6 +64,8 @@ class FakeCupy:
         runtime = SimpleNamespace(memoryTypeHost=1, pointerGetAttributes=lambda ptr: attrs)
         self.RawModule = RawModule
         self.cuda = SimpleNamespace(Device=device, Stream=Stream, runtime=runtime)
+        if external_stream:  # the long-standing wrapper: (pointer, device id)
+            self.cuda.ExternalStream = lambda ptr, index: Stream(ptr)
 
 
 class FakeTorchStream:
@@ -72,11 +75,12 @@ class FakeTorchStream:
         return (0, self.cuda_stream)
 
 
+@pytest.mark.parametrize("external_stream", [True, False])
 def test_compiles_each_module_once_per_device_and_launches_on_the_torch_stream(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, external_stream: bool,
 ) -> None:
     monkeypatch.setattr(torch.cuda, "current_stream", lambda index: FakeTorchStream())
-    fake = FakeCupy()
+    fake = FakeCupy(external_stream=external_stream)
     backend = CupyBackend(fake)
     device = torch.device("cuda", 1)
     assert backend.ready("remap", ("remap_t64_i64_o64", "remap_t32_i32_o32"), device)
@@ -90,13 +94,28 @@ def test_compiles_each_module_once_per_device_and_launches_on_the_torch_stream(
     assert [int(a) for a in first["args"]] == [1, 2**62, -5]
 
 
-def test_a_module_that_fails_to_compile_is_reported_once(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_module_that_fails_to_compile_is_reported_once(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda index: FakeTorchStream())
     backend = CupyBackend(FakeCupy(broken=True))
     device = torch.device("cuda", 0)
     with caplog.at_level(logging.WARNING, logger="kernels._cuda"):
         assert not backend.ready("strided_copy", ("strided_copy",), device)
         assert not backend.ready("strided_copy", ("strided_copy",), device)
     assert len([r for r in caplog.records if "failed to load" in r.message]) == 1
+
+
+def test_a_stream_that_cannot_be_wrapped_disables_the_kernels(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No launch would work, so the callers fall back to the torch reference."""
+    class Opaque:  # neither a pointer CuPy can take nor the __cuda_stream__ protocol
+        cuda_stream = 0xABC
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda index: Opaque())
+    assert not CupyBackend(FakeCupy()).ready("remap", ("remap_t64_i64_o64",),
+                                             torch.device("cuda", 0))
 
 
 def test_host_pointers_must_be_pinned() -> None:
