@@ -14,12 +14,20 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Coroutine, Sequence
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from remote_tier import RedisTier, RemoteTierConfig, RemoteTierError, envelope_key
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+class Probe(NamedTuple):
+    """What Redis holds of a run of pages: how many, from the first, have their KV envelope,
+    and for each of those pages whether each other kind's envelope is there."""
+
+    found: int
+    present: dict[str, list[bool]]
 
 
 class RemoteBridge:
@@ -69,6 +77,24 @@ class RemoteBridge:
         """Presence of each key (one batched probe); None when the call failed or ran past
         ``timeout`` seconds."""
         return self._run(self._tier.exists_many(keys), None, timeout) if keys else []
+
+    def probe(self, page_keys: Sequence[bytes], kinds: Sequence[str],
+              timeout: float | None = None) -> Probe | None:
+        """:class:`Probe` of ``page_keys`` (``kinds``: the kinds besides KV to check); None when
+        the call failed or ran past ``timeout`` seconds."""
+        return self._run(self._probe(page_keys, kinds), None, timeout)
+
+    def submit_probe(self, page_keys: Sequence[bytes], kinds: Sequence[str]
+                     ) -> concurrent.futures.Future[Probe]:
+        """Start :meth:`probe` in the background (no timeout: the caller polls the future)."""
+        return asyncio.run_coroutine_threadsafe(self._probe(page_keys, kinds), self._loop)
+
+    async def _probe(self, page_keys: Sequence[bytes], kinds: Sequence[str]) -> Probe:
+        found = await self._tier.exists_prefix([self.key(k, "kv") for k in page_keys])
+        present = {kind: await self._tier.exists_many([self.key(k, kind)
+                                                       for k in page_keys[:found]])
+                   if found else [] for kind in kinds}
+        return Probe(found, present)
 
     def ping(self) -> bool:
         """Whether Redis answers now (an open circuit answers False without I/O)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
+from concurrent.futures import Future
 
 import torch
 
@@ -18,7 +19,7 @@ from tierstore.hashing import PageHasher, check_namespace
 from tierstore.layout import ModelLayout
 from tierstore.movement import DIRECTIONS, TierMovement
 from tierstore.radix import Node, RadixIndex, Segment
-from tierstore.remote import RemoteBridge
+from tierstore.remote import Probe, RemoteBridge
 from tierstore.results import Allocation, InsertResult, Lease, MatchResult, StoreStats
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,8 @@ class TierStore(InputChecks, TierMovement):
         self._evicted = dict.fromkeys(self.kinds, 0)
         self._moved = dict.fromkeys(DIRECTIONS, 0)
         self._pending = []
+        # Background L3 discovery (best_effort), by the first page the index did not know.
+        self._probing: dict[bytes, tuple[list[bytes], int, Future[Probe]]] = {}
         self._hit_tokens = {"l1": 0, "l2": 0, "l3": 0}
         self._hit_requests = {"l1": 0, "l2": 0, "l3": 0, "miss": 0}
 
@@ -96,10 +99,14 @@ class TierStore(InputChecks, TierMovement):
         toks = self._tokens(tokens)
         keys = self.hasher.pages(toks, check_namespace(namespace))
         self._pump()
+        self._pump_probes()
         best_effort = self.config.prefetch == "best_effort"
         timeout = self.config.prefetch_timeout_s if self.config.prefetch == "timeout" else None
-        if self.remote is not None and not best_effort:
-            self._discover(keys, timeout)
+        if self.remote is not None:
+            if best_effort:
+                self._discover_later(keys)
+            else:
+                self._discover(keys, timeout)
         self._requests += 1
         self._tokens_queried += len(toks)
         tiers: tuple[int, ...] = (1, 2) if best_effort else (1, 2, 3)
@@ -191,28 +198,56 @@ class TierStore(InputChecks, TierMovement):
         """Learn pages that L3 holds beyond what the index knows (written by another instance
         or before a restart) and hang them into the index as L3-resident."""
         assert self.remote is not None
-        path = self.index.walk(keys)
-        known = sum(seg.pages for seg in path)
-        if known == len(keys):
+        known = sum(seg.pages for seg in self.index.walk(keys))
+        if known < len(keys):
+            probe = self.remote.probe(keys[known:], self._probe_kinds(), timeout)
+            if probe is not None:
+                self._learn(keys, known, probe)
+
+    def _discover_later(self, keys: list[bytes]) -> None:
+        """:meth:`_discover` without waiting (``best_effort``): the probe runs in the
+        background and :meth:`_pump_probes` files what it found, so a later match can
+        prefetch those pages."""
+        assert self.remote is not None
+        known = sum(seg.pages for seg in self.index.walk(keys))
+        if known == len(keys) or keys[known] in self._probing:
             return
-        rest = keys[known:]
-        found = self.remote.exists_prefix([self.remote.key(k, "kv") for k in rest], timeout)
+        self._probing[keys[known]] = (keys, known,
+                                      self.remote.submit_probe(keys[known:], self._probe_kinds()))
+
+    def _pump_probes(self) -> None:
+        """File background probes that have finished, if the index still ends where it did."""
+        for first, (keys, known, future) in list(self._probing.items()):
+            if not future.done():
+                continue
+            del self._probing[first]
+            try:
+                probe = future.result()
+            except Exception as exc:  # a failed probe is only a missed chance
+                log.info("L3 discovery probe failed: %s", exc)
+                continue
+            if sum(seg.pages for seg in self.index.walk(keys)) == known:
+                self._learn(keys, known, probe)
+
+    def _probe_kinds(self) -> list[str]:
+        return [k for k in ("swa", "state") if k in self.kinds]
+
+    def _learn(self, keys: list[bytes], known: int, probe: Probe) -> None:
+        """Hang the pages a probe found after the first ``known`` pages of ``keys`` into the
+        index as L3-resident: one node per checkpoint, so each sits at a node's end."""
+        found = probe.found
         if found == 0:
             return
-        rest = rest[:found]
-        swa = self.remote.exists_each([self.remote.key(k, "swa") for k in rest], timeout) \
-            if self.layout.swa is not None else [False] * found
+        rest = keys[known : known + found]
+        swa = probe.present.get("swa", [False] * found)
         ends = [found]
         if self.layout.state is not None:
-            state = self.remote.exists_each([self.remote.key(k, "state") for k in rest], timeout)
-            ends = [i + 1 for i, ok in enumerate(state or []) if ok]
+            ends = [i + 1 for i, ok in enumerate(probe.present["state"]) if ok]
             if not ends:
                 return  # KV without any checkpoint cannot serve a hybrid match
-        if swa is None:
-            return  # Redis stopped answering mid-probe: learn nothing this time
-        parent = self.index.node_ending_at(path)
+        parent = self.index.node_ending_at(self.index.walk(keys[:known]))
         start = 0
-        for end in ends:  # one node per checkpoint, so each sits at a node's end
+        for end in ends:
             parent = self.index.extend(parent, rest[start:end], kv3=[1] * (end - start),
                                        swa3=[1 if ok else -1 for ok in swa[start:end]])
             if self.layout.state is not None:

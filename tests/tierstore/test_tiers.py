@@ -109,6 +109,29 @@ def test_another_instance_finds_pages_in_redis(redis_url: str) -> None:
     second.close()
 
 
+def test_best_effort_discovers_another_instances_pages_in_the_background(
+    redis_url: str,
+) -> None:
+    first = make(redis_url, l1=2, write_policy="write_through")
+    a = put(first, 1)
+    first.close()
+    second = make(redis_url, l1=2, l2=2, prefetch="best_effort")
+    query = tokens(1) + [7]
+    assert second.match(query).tokens == 0  # never waits on Redis: a miss this time
+    deadline = time.monotonic() + 5
+    while second.peek(query, tiers=(1, 2)) < PREFIX:  # the probe lands, then the prefetch
+        assert time.monotonic() < deadline, "background discovery + prefetch never landed"
+        m = second.match(query)  # files what arrived, starts the next step
+        if m.tokens:
+            second.release(m.lease)  # type: ignore[arg-type]
+            break
+        time.sleep(0.02)
+    assert second.peek(query, tiers=(3,)) == PREFIX  # known in L3 now
+    assert_served(second, 1, a)
+    assert second.stats().hit_requests["l3"] == 0, "best_effort must never serve from L3"
+    second.close()
+
+
 def test_namespaces_never_see_each_other_in_redis(redis_url: str) -> None:
     s = make(redis_url, l1=2, write_policy="write_through")
     s.insert(tokens(1), "tenant-a", **envelopes(1))
