@@ -10,10 +10,12 @@ arenas, prefixes or eviction policy).
         n = await tier.exists_prefix(keys)                 # leading hits, stops at a miss
 
 Files: ``config`` (``RemoteTierConfig``), ``errors`` (the exception hierarchy), ``keys`` (key
-layout), ``wire`` (header + checksum), ``breaker`` (circuit breaker), ``resp`` (the RESP2
-data connection), ``pool`` (connections per node), ``topology`` (standalone / cluster slot
-map via redis-py), ``transfer`` (batches to one node), ``buffers`` (receive buffer reuse),
-``router`` (key → node, per-key commands over all nodes), ``stats`` (counters), ``store``
+layout), ``wire`` (header + checksum, whole or split values), ``breaker`` (circuit breaker),
+``resp`` (the RESP2 data connection), ``pool`` (connections per node), ``topology``
+(standalone / cluster slot map via redis-py), ``transfer`` (batches to one node), ``buffers``
+(receive buffer reuse), ``router`` (key → node, per-key commands over all nodes), ``split``
+(a payload as parts, and parts back into a payload), ``writes`` (a put batch, parts before
+heads), ``reads`` (a get batch's bookkeeping), ``stats`` (counters), ``store``
 (``RedisTier``).
 """
 

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from typing import Literal
 from urllib.parse import unquote, urlsplit
 
+from remote_tier.wire import MAX_HEADER_BYTES
+
 Mode = Literal["standalone", "cluster"]
 
 _PREFIX_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
@@ -40,6 +42,14 @@ class RemoteTierConfig:
     The breaker opens after ``breaker_failures`` consecutive failed calls to a node, for
     ``breaker_cooldown_s``, doubling per failed probe up to ``breaker_max_cooldown_s``.
     ``recv_pool_bytes`` bounds the receive buffers ``get_many`` keeps for reuse (0: none).
+
+    ``chunk_bytes`` (0, or 4096 up to ``max_value_bytes`` less 256 header bytes) is how many
+    payload bytes one Redis value carries: a larger payload is split into ``ceil(len /
+    chunk_bytes)`` near-equal parts (at most 4096), stored at the key and at ``{key} #{i}``, so
+    no single value holds Redis' one thread or one cluster slot for long; 0 never splits.
+    Readers take values written with any ``chunk_bytes``; a reader with the writer's setting
+    receives every part straight into the caller's buffer in one round trip.
+    ``max_value_bytes`` bounds one Redis value (one part with its header).
     """
 
     url: str = "redis://127.0.0.1:6379/0"
@@ -56,6 +66,7 @@ class RemoteTierConfig:
     breaker_cooldown_s: float = 0.5
     breaker_max_cooldown_s: float = 30.0
     recv_pool_bytes: int = 256 * 1024 * 1024
+    chunk_bytes: int = 16 * 1024 * 1024
 
     def __post_init__(self) -> None:
         self.endpoint()  # validates the URL
@@ -70,6 +81,13 @@ class RemoteTierConfig:
         if not 1024 <= self.max_value_bytes <= MAX_BULK_BYTES:
             raise ValueError(
                 f"max_value_bytes must be in [1024, {MAX_BULK_BYTES}], got {self.max_value_bytes}"
+            )
+        most = self.max_value_bytes - MAX_HEADER_BYTES
+        if self.chunk_bytes != 0 and not 4096 <= self.chunk_bytes <= most:
+            raise ValueError(
+                f"chunk_bytes must be 0 or in [4096, {most}] (max_value_bytes "
+                f"{self.max_value_bytes} less {MAX_HEADER_BYTES} header bytes), "
+                f"got {self.chunk_bytes}"
             )
         if not self.op_timeout_s > 0:
             raise ValueError(f"op_timeout_s must be > 0, got {self.op_timeout_s}")

@@ -48,7 +48,9 @@ class BadKey(RemoteTierError, ValueError):
 
 
 class ValueTooLarge(RemoteTierError, ValueError):
-    """An envelope exceeds ``max_value_bytes``; nothing of the batch was written."""
+    """A value cannot be stored: one Redis value would exceed ``max_value_bytes`` (only
+    possible with ``chunk_bytes`` 0), or it would need more than ``wire.MAX_PARTS`` parts.
+    Nothing of the batch was written."""
 
 
 def server_error(message: str) -> ServerError:

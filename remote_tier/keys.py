@@ -5,6 +5,10 @@ engine-supplied key lives at ``{prefix}:raw:{key}``. Prefixes and layout fingerp
 ``:`` and glob characters, and no layout fingerprint may be ``raw``, so two namespaces can
 never produce the same key and ``SCAN MATCH {prefix}:*`` selects exactly one namespace.
 
+Part ``i`` >= 1 of a value split into parts lives at ``{key} #{i}`` (part 0 at the key itself):
+no key of either form contains a space, so a part key never equals a key, and the ``SCAN``
+patterns still select a value's parts with it.
+
 No hash tags are used: on a cluster the pages of one prefix spread over all slots, and
 batches are grouped by slot (``key_slot``) at send time instead.
 """
@@ -71,6 +75,16 @@ def parse_key(prefix: str, key: str) -> KeyParts:
         if key.startswith(head) and _RAW_RE.fullmatch(key, len(head)):
             return KeyParts(RAW_KIND, "")
     raise BadKey(f"{key!r:.80} is not an envelope or raw key under prefix {prefix!r}")
+
+
+def part_key(key_b: bytes, index: int) -> bytes:
+    """The Redis key of part ``index`` of the split value at ``key_b`` (part 0: ``key_b``)."""
+    return key_b if index == 0 else b"%s #%d" % (key_b, index)
+
+
+def is_part_key(key_b: bytes) -> bool:
+    """Whether ``key_b`` names a part >= 1 of a split value."""
+    return b" #" in key_b
 
 
 def key_slot(key: bytes) -> int:

@@ -115,10 +115,12 @@ class Router:
         sinks: list[BulkSink] | None,
         *,
         reads_values: bool = False,
+        args: Sequence[Arg] = (),
     ) -> list[tuple[list[int], Reply | Exception]]:
         """Run ``command`` over ``keys_b`` in groups of at most ``max_keys`` keys per node (one
         slot per group on a cluster), nodes concurrently; after a ``MOVED``, refresh the slot
-        map and rerun those groups once. One ``(key indexes, reply)`` per group.
+        map and rerun those groups once. One ``(key indexes, reply)`` per group; ``args``
+        follow the keys in every command.
 
         ``reads_values``: replies carry values of about the learnt typical size, so groups
         and connections in flight are sized by bytes (``pipeline_bytes``), as writes are."""
@@ -149,7 +151,9 @@ class Router:
                     max_keys=max_keys,
                     spread=spread,
                 )
-                cmds: list[Sequence[Arg]] = [(command, *(keys_b[i] for i in g)) for g in groups]
+                cmds: list[Sequence[Arg]] = [
+                    (command, *(keys_b[i] for i in g), *args) for g in groups
+                ]
                 cmd_sinks = None if sinks is None else [_group_sink(sinks, g) for g in groups]
                 costs = (
                     [round(len(g) * self._value_bytes) for g in groups] if reads_values else None
@@ -171,6 +175,26 @@ class Router:
                 break
             await self.refresh()
         return done
+
+    async def mget(self, keys_b: list[bytes], sinks: list[BulkSink]) -> list[Reply | Exception]:
+        """``MGET`` every key (values received through ``sinks``, one per key); one reply per
+        key: a value, ``None`` when absent, or the exception that stopped its group."""
+        replies: list[Reply | Exception] = [None] * len(keys_b)
+        grouped = await self.run_keyed(
+            "MGET", keys_b, self._config.batch_keys, sinks, reads_values=True
+        )
+        for group, reply in grouped:
+            values = reply if isinstance(reply, list) and len(reply) == len(group) else None
+            for pos, i in enumerate(group):
+                replies[i] = reply if values is None else values[pos]
+        return replies
+
+    async def unlink(self, keys_b: list[bytes]) -> int:
+        """``UNLINK`` every key; how many existed (unreachable nodes count 0)."""
+        if not keys_b:
+            return 0
+        replies = await self.run_keyed("UNLINK", keys_b, self._config.batch_keys, None)
+        return sum(r for _, r in replies if isinstance(r, int))
 
     async def aclose(self) -> None:
         """Close every node's connections and redis-py's."""

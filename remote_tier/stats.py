@@ -15,9 +15,10 @@ class RemoteTierStats:
     ``errors`` counts failed node calls and rejected values by kind: ``connection``,
     ``timeout``, ``circuit_open``, ``auth``, ``topology`` (server unreachable or refused),
     ``server`` (error replies), ``moved`` (stale cluster slot map), ``corrupt`` (a value
-    failed a check), ``size_mismatch`` (valid value, wrong size for the caller's buffer).
-    ``bytes_in``/``bytes_out`` count payload bytes of hits and acknowledged puts (headers
-    excluded). ``breakers`` maps each node address to its breaker state.
+    failed a check), ``incomplete`` (a split value missing a part), ``size_mismatch`` (valid
+    value, wrong size for the caller's buffer). Values count once however many parts they
+    are split into: ``bytes_in``/``bytes_out`` count payload bytes of hits and acknowledged
+    puts (headers excluded). ``breakers`` maps each node address to its breaker state.
     """
 
     num_hits: int

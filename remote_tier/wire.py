@@ -1,9 +1,16 @@
 """The stored value: a small msgpack header followed by the raw payload bytes.
 
-The header is the msgpack array ``[version, kind, layout_fp, payload_len, checksum]`` where
+A whole value (format 1) has the header ``[1, kind, layout_fp, payload_len, checksum]`` where
 ``checksum`` is the 8-byte big-endian xxh3-64 digest of the payload, packed as ``bin 8`` so
 the header's size depends only on ``(kind, layout_fp, payload_len)`` — a reader that knows
 those can receive the payload straight into its own buffer (``header_size``).
+
+A payload split into ``num_parts`` parts (format 2, ``num_parts`` >= 2) is stored as one value
+per part, each with the header ``[2, kind, layout_fp, total_len, checksum, index, num_parts]``
+(``total_len`` and ``checksum`` of the whole payload) followed by that part's bytes: part
+``index`` is ``payload[part_span(total_len, num_parts, index)]`` — parts of ``ceil(total_len /
+num_parts)`` bytes, the last one the remainder. Its header size depends only on ``(kind,
+layout_fp, total_len, index, num_parts)`` (``part_header_size``).
 
 Nothing here copies a payload: ``encode_header`` reads it once for the checksum, and
 ``decode`` returns a ``memoryview`` slice of the value it was given.
@@ -22,18 +29,25 @@ if TYPE_CHECKING:
     from typing_extensions import Buffer
 
 FORMAT_VERSION = 1
+SPLIT_FORMAT_VERSION = 2
 MAX_HEADER_BYTES = 256
 CHECKSUM_BYTES = 8
+MAX_PARTS = 4096
+
+_NUM_FIELDS = {FORMAT_VERSION: 5, SPLIT_FORMAT_VERSION: 7}
 
 
 class Header(NamedTuple):
-    """A decoded value header."""
+    """A decoded value header; ``payload_len`` and ``checksum`` are the whole payload's (of
+    every part together, for a split value), ``part`` is the ``index`` field (0 when whole)."""
 
     version: int
     kind: str
     layout_fp: str
     payload_len: int
     checksum: bytes
+    part: int = 0
+    num_parts: int = 1
 
 
 def as_bytes_view(data: Buffer) -> memoryview:
@@ -68,6 +82,36 @@ def header_size(kind: str, layout_fp: str, payload_len: int) -> int:
     )
 
 
+def encode_part_header(
+    kind: str, layout_fp: str, total_len: int, digest: bytes, index: int, num_parts: int
+) -> bytes:
+    """The header to store in front of part ``index`` of a split payload (``digest``: the
+    whole payload's checksum)."""
+    fields = [SPLIT_FORMAT_VERSION, kind, layout_fp, total_len, digest, index, num_parts]
+    return msgpack.packb(fields, use_bin_type=True)
+
+
+def part_header_size(kind: str, layout_fp: str, total_len: int, index: int, num_parts: int) -> int:
+    """Bytes of the header of part ``index`` of a split payload."""
+    return len(
+        encode_part_header(kind, layout_fp, total_len, bytes(CHECKSUM_BYTES), index, num_parts)
+    )
+
+
+def num_parts(total_len: int, chunk_bytes: int) -> int:
+    """How many parts a ``total_len``-byte payload is stored in (1: whole; ``chunk_bytes`` 0:
+    never split)."""
+    if chunk_bytes <= 0 or total_len <= chunk_bytes:
+        return 1
+    return -(-total_len // chunk_bytes)
+
+
+def part_span(total_len: int, num_parts: int, index: int) -> tuple[int, int]:
+    """``(start, end)`` of part ``index`` in the payload."""
+    size = -(-total_len // num_parts)
+    return min(total_len, index * size), min(total_len, (index + 1) * size)
+
+
 def read_header(value: memoryview) -> tuple[Header, int]:
     """The header at the start of ``value`` and its size; ``CorruptValue`` if malformed."""
     unpacker = msgpack.Unpacker(raw=False, max_buffer_size=MAX_HEADER_BYTES)
@@ -77,22 +121,42 @@ def read_header(value: memoryview) -> tuple[Header, int]:
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         raise CorruptValue(f"unreadable header: {type(exc).__name__}") from None
     size = unpacker.tell()
-    if not isinstance(fields, list) or len(fields) != 5:
+    if not isinstance(fields, list) or not fields:
         raise CorruptValue("header is not a 5-field array")
-    version, kind, layout_fp, payload_len, digest = fields
-    if version != FORMAT_VERSION:
-        raise CorruptValue(f"format version {version!r}, expected {FORMAT_VERSION}")
+    version = fields[0]
+    want = _NUM_FIELDS.get(version) if _is_count(version) else None
+    if want is None:
+        raise CorruptValue(f"format version {version!r}, expected 1 or 2")
+    if len(fields) != want:
+        raise CorruptValue(f"header is not a {want}-field array (format version {version})")
+    _, kind, layout_fp, payload_len, digest, *split = fields
     if not isinstance(kind, str) or not isinstance(layout_fp, str):
         raise CorruptValue("header kind/layout_fp are not strings")
-    if not isinstance(payload_len, int) or payload_len < 0:
+    if not _is_count(payload_len):
         raise CorruptValue(f"bad payload length {payload_len!r}")
     if not isinstance(digest, bytes) or len(digest) != CHECKSUM_BYTES:
         raise CorruptValue("bad checksum field")
-    return Header(version, kind, layout_fp, payload_len, digest), size
+    if not split:
+        return Header(version, kind, layout_fp, payload_len, digest), size
+    index, parts = split
+    if not (_is_count(parts) and 2 <= parts <= MAX_PARTS):
+        raise CorruptValue(f"bad part count {parts!r}")
+    if not (_is_count(index) and index < parts):
+        raise CorruptValue(f"bad part index {index!r} of {parts}")
+    if part_span(payload_len, parts, parts - 1)[0] >= payload_len:
+        raise CorruptValue(f"{payload_len} bytes cannot fill {parts} parts")
+    return Header(version, kind, layout_fp, payload_len, digest, index, parts), size
+
+
+def _is_count(value: object) -> bool:
+    """A non-negative ``int`` (msgpack booleans are not counts)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def verify(header: Header, payload: memoryview, *, kind: str, layout_fp: str) -> None:
-    """Check a header against what the key promises and against its payload."""
+    """Check a whole value's header against what the key promises and against its payload."""
+    if header.version != FORMAT_VERSION:
+        raise CorruptValue(f"part {header.part} of {header.num_parts}, not a whole value")
     if header.kind != kind:
         raise CorruptValue(f"kind {header.kind!r}, key says {kind!r}")
     if header.layout_fp != layout_fp:

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import redis
 from redis.crc import key_slot
 
+from remote_tier import wire
 from remote_tier.config import RemoteTierConfig
-from remote_tier.keys import envelope_key
+from remote_tier.keys import envelope_key, part_key
 from remote_tier.store import RedisTier
 from tierstore.testing.redis_server import RedisCluster
 
@@ -118,3 +120,84 @@ async def test_stale_slot_map_is_refreshed_after_moved(cluster: RedisCluster) ->
         assert await tier.exists_prefix(keys) == 40
         stale["on"] = True
         assert await tier.delete_many(keys) == 40
+
+
+# -- values split over several keys (chunk_bytes) -------------------------------------------------
+
+C = 4096
+
+
+def _split(cluster: RedisCluster, **kwargs: object) -> RemoteTierConfig:
+    return _config(cluster, chunk_bytes=C, **kwargs)
+
+
+def _part_keys(key: str, size: int) -> list[str]:
+    return [part_key(key.encode(), i).decode() for i in range(wire.num_parts(size, C))]
+
+
+async def test_split_values_round_trip_over_slots_and_nodes(cluster: RedisCluster) -> None:
+    sizes = [100, C, C + 1, 4 * C, 4 * C + 1, 30 * C + 5] * 2
+    payloads = [os.urandom(n) for n in sizes]
+    keys = [_key(i) for i in range(len(sizes))]
+    async with RedisTier(_split(cluster, batch_keys=4)) as tier:
+        assert all(await tier.put_many(list(zip(keys, payloads, strict=True))))
+        got = await tier.get_many(keys)
+        assert [g.tobytes() if g is not None else None for g in got] == payloads
+        outs = [bytearray(n) for n in sizes]
+        await tier.get_many(keys, outs)
+        assert [bytes(o) for o in outs] == payloads
+        parts = _part_keys(keys[5], sizes[5])
+        assert len(parts) == 31 and {_node_of(cluster, k) for k in parts} == {0, 1, 2}
+        stored = {k for n in cluster.nodes for k in redis.Redis(port=n.port).keys("*")}
+        want = {k for key, n in zip(keys, sizes, strict=True) for k in _part_keys(key, n)}
+        assert stored == {k.encode() for k in want}
+        assert tier.stats().errors == {}
+        tier.check_integrity()
+
+
+async def test_split_values_missing_part_delete_and_clear(cluster: RedisCluster) -> None:
+    keys = [_key(i) for i in range(4)]
+    payloads = [os.urandom(5 * C) for _ in keys]
+    async with RedisTier(_split(cluster)) as tier:
+        assert all(await tier.put_many(list(zip(keys, payloads, strict=True))))
+        victim = _part_keys(keys[0], 5 * C)[2]
+        redis.Redis(port=cluster.nodes[_node_of(cluster, victim)].port).delete(victim)
+        got = await tier.get_many(keys, [bytearray(5 * C) for _ in keys])
+        assert got[0] is None and [g.tobytes() for g in got[1:] if g] == payloads[1:]
+        assert {_node_of(cluster, k) for k in _part_keys(keys[0], 5 * C)} == {-1}
+        assert tier.stats().errors == {"incomplete": 1}
+        assert await tier.delete_many(keys[:2]) == 1
+        assert {_node_of(cluster, k) for k in _part_keys(keys[1], 5 * C)} == {-1}
+        assert await tier.clear() == 2
+        assert sum(redis.Redis(port=n.port).dbsize() for n in cluster.nodes) == 0
+
+
+@pytest.mark.parametrize("into", [False, True])
+async def test_split_values_after_moved(cluster: RedisCluster, into: bool) -> None:
+    async with RedisTier(_split(cluster)) as tier:
+        keys = [_key(i) for i in range(6)]
+        payloads = [os.urandom(3 * C + i) for i in range(6)]
+        topology = tier._router.topology
+        real_address_of, real_refresh = topology.address_of, topology.refresh
+        wrong = ("127.0.0.1", cluster.nodes[0].port)
+        stale = {"on": True}
+
+        def stale_address_of(key: bytes) -> tuple[str, int]:
+            return wrong if stale["on"] else real_address_of(key)
+
+        async def refresh() -> None:
+            stale["on"] = False
+            await real_refresh()
+
+        topology.address_of = stale_address_of  # type: ignore[method-assign]
+        topology.refresh = refresh  # type: ignore[method-assign]
+        assert all(await tier.put_many(list(zip(keys, payloads, strict=True))))
+        assert tier.stats().errors["moved"] >= 1
+        stale["on"] = True
+        outs = [bytearray(len(p)) for p in payloads] if into else None
+        got = await tier.get_many(keys, outs)
+        assert [g.tobytes() if g is not None else None for g in got] == payloads
+        stale["on"] = True
+        assert await tier.delete_many(keys) == 6
+        stored = sum(redis.Redis(port=n.port).dbsize() for n in cluster.nodes)
+        assert stored == 0

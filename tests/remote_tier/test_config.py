@@ -40,11 +40,22 @@ def test_defaults_and_endpoint() -> None:
         ({"batch_keys": 0}, "batch_keys"),
         ({"breaker_failures": 0}, "breaker_failures"),
         ({"breaker_cooldown_s": 5.0, "breaker_max_cooldown_s": 1.0}, "breaker_cooldown_s"),
+        ({"chunk_bytes": 4095}, r"chunk_bytes must be 0 or in \[4096, 67108608\]"),
+        ({"chunk_bytes": -1}, "chunk_bytes"),
+        ({"chunk_bytes": (64 << 20) - 255}, "got 67108609"),
+        ({"max_value_bytes": 8192}, r"\[4096, 7936\].*got 16777216"),
     ],
 )
 def test_rejects_bad_values_with_numbers(kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         RemoteTierConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_chunk_bytes_bounds() -> None:
+    assert RemoteTierConfig().chunk_bytes == 16 << 20
+    assert RemoteTierConfig(chunk_bytes=0, max_value_bytes=1024).chunk_bytes == 0
+    assert RemoteTierConfig(chunk_bytes=4096, max_value_bytes=4096 + 256).chunk_bytes == 4096
+    assert RemoteTierConfig(chunk_bytes=(64 << 20) - 256).chunk_bytes == (64 << 20) - 256
 
 
 def test_frozen() -> None:

@@ -98,12 +98,13 @@ async def test_killed_server_means_misses_then_open_breaker_then_recovery(
         tier.check_integrity()
 
 
+@pytest.mark.parametrize("chunk", [16 << 20, 64 << 10])
 async def test_kill_during_large_transfers_never_returns_wrong_bytes(
-    own_server: RedisServer,
+    own_server: RedisServer, chunk: int
 ) -> None:
     payloads = [os.urandom(1 << 20) for _ in range(48)]
     keys = [_key(i) for i in range(48)]
-    async with RedisTier(_config(own_server)) as tier:
+    async with RedisTier(_config(own_server, chunk_bytes=chunk)) as tier:
         assert all(await tier.put_many(list(zip(keys, payloads, strict=False))))
         outs = [bytearray(1 << 20) for _ in keys]
         gets = [

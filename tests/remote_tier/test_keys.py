@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import fnmatch
+
 import pytest
 
 from remote_tier.errors import BadKey
 from remote_tier.keys import (
     KeyParts,
     envelope_key,
+    is_part_key,
     key_slot,
     parse_key,
+    part_key,
     raw_key,
     scan_pattern,
 )
@@ -87,6 +91,18 @@ def test_namespaces_never_collide() -> None:
         for other in {"a", "ab", "a.b"} - {prefix}:
             with pytest.raises(BadKey):
                 parse_key(other, key)
+
+
+def test_part_keys_never_collide_and_match_scan_patterns() -> None:
+    key = envelope_key("ts", "fp1", H, "kv").encode()
+    raw = raw_key("ts", "a#1").encode()
+    assert part_key(key, 0) == key and part_key(key, 12) == key + b" #12"
+    assert not is_part_key(key) and not is_part_key(raw) and is_part_key(part_key(raw, 1))
+    for part in (part_key(key, 1), part_key(raw, 3)):
+        with pytest.raises(BadKey):
+            parse_key("ts", part.decode())
+    assert fnmatch.fnmatchcase(part_key(key, 7).decode(), scan_pattern("ts", "fp1"))
+    assert fnmatch.fnmatchcase(part_key(raw, 7).decode(), scan_pattern("ts"))
 
 
 def test_scan_pattern() -> None:

@@ -4,6 +4,7 @@ corruption handling and namespace isolation."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 from collections.abc import Iterator
 
@@ -102,6 +103,22 @@ async def test_results_held_by_the_caller_are_never_overwritten(tier: RedisTier)
     assert [h.tobytes() if h is not None else None for h in held] == payloads[:4] * 5
 
 
+async def test_dropped_results_free_their_receive_buffer_at_once(tier: RedisTier) -> None:
+    """Regression: a read's bookkeeping must not keep pooled buffers busy until a garbage
+    collection (a reference cycle did, and every get then allocated afresh)."""
+    key = envelope_key("t", "fp", "ab" * 8, "kv")
+    assert await tier.put_many([(key, os.urandom(256 << 10))]) == [True]
+    gc.disable()
+    try:
+        for _ in range(4):
+            (got,) = await tier.get_many([key])
+            assert got is not None
+            del got
+    finally:
+        gc.enable()
+    assert tier._buffers.num_reused == 3 and tier._buffers.num_bytes < 2 * (256 << 10)
+
+
 async def test_get_into_wrong_sized_buffer_is_a_miss_not_deleted(
     tier: RedisTier, server: RedisServer
 ) -> None:
@@ -143,7 +160,7 @@ async def test_ttl_is_applied(server: RedisServer) -> None:
 
 
 async def test_max_value_size_raises_and_writes_nothing(server: RedisServer) -> None:
-    config = RemoteTierConfig(url=server.url, key_prefix="t", max_value_bytes=4096)
+    config = RemoteTierConfig(url=server.url, key_prefix="t", max_value_bytes=4096, chunk_bytes=0)
     async with RedisTier(config) as tier:
         with pytest.raises(ValueTooLarge, match="max_value_bytes is 4096"):
             await tier.put_many([(_key(1), b"small"), (_key(2), b"x" * 4096)])

@@ -79,3 +79,58 @@ def test_every_bad_value_is_rejected(value: bytes, reason: str) -> None:
 def test_good_header_built_by_hand_is_accepted() -> None:
     value = _header(1, "kv", "fp1", len(GOOD), SUM) + GOOD
     assert wire.decode(value, kind="kv", layout_fp="fp1").tobytes() == GOOD
+
+
+# -- split values (format 2) ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunk", [4096, 5000, 1 << 16])
+def test_parts_cover_the_payload_in_near_equal_spans(chunk: int) -> None:
+    for total in [0, 1, chunk - 1, chunk, chunk + 1, 2 * chunk, 7 * chunk + 3, 4096 * chunk]:
+        num = wire.num_parts(total, chunk)
+        assert num == max(1, -(-total // chunk))
+        spans = [wire.part_span(total, num, i) for i in range(num)]
+        assert spans[0][0] == 0 and spans[-1][1] == total
+        assert all(spans[i][1] == spans[i + 1][0] for i in range(num - 1))
+        sizes = [hi - lo for lo, hi in spans]
+        assert max(sizes) <= chunk and (num == 1 or min(sizes) > 0)
+        assert len(set(sizes[:-1])) <= 1 and sizes[-1] <= sizes[0]
+    assert wire.num_parts(10 << 20, 0) == 1
+
+
+def test_part_header_round_trip_and_size() -> None:
+    digest = wire.checksum(b"whole payload")
+    for index, num in [(0, 2), (1, 2), (127, 200), (128, 200), (4095, 4096)]:
+        header = wire.encode_part_header("kv", "fp1", 10**9, digest, index, num)
+        assert len(header) == wire.part_header_size("kv", "fp1", 10**9, index, num)
+        assert len(header) <= wire.MAX_HEADER_BYTES
+        got, size = wire.read_header(memoryview(header + b"body"))
+        assert got == wire.Header(2, "kv", "fp1", 10**9, digest, index, num) and size == len(header)
+    sizes = {
+        len(wire.encode_part_header("kv", "fp", 5000, bytes([i]) * 8, 1, 3)) for i in range(50)
+    }
+    assert sizes == {wire.part_header_size("kv", "fp", 5000, 1, 3)}
+
+
+@pytest.mark.parametrize(
+    ("fields", "reason"),
+    [
+        ((2, "kv", "fp1", 9000, SUM, 0), "7-field"),
+        ((2, "kv", "fp1", 9000, SUM, 0, 1), "part count"),
+        ((2, "kv", "fp1", 9000, SUM, 0, 4097), "part count"),
+        ((2, "kv", "fp1", 9000, SUM, 0, True), "part count"),
+        ((2, "kv", "fp1", 9000, SUM, 3, 3), "part index"),
+        ((2, "kv", "fp1", 9000, SUM, -1, 3), "part index"),
+        ((2, "kv", "fp1", 3, SUM, 0, 4), "cannot fill"),
+        ((2, "kv", "fp1", -5, SUM, 0, 2), "length"),
+    ],
+)
+def test_bad_part_headers_are_rejected(fields: tuple[object, ...], reason: str) -> None:
+    with pytest.raises(CorruptValue, match=reason):
+        wire.read_header(memoryview(_header(*fields) + GOOD))
+
+
+def test_a_part_is_not_a_whole_value() -> None:
+    value = wire.encode_part_header("kv", "fp1", 2 * len(GOOD), SUM, 0, 2) + GOOD
+    with pytest.raises(CorruptValue, match="not a whole value"):
+        wire.decode(value, kind="kv", layout_fp="fp1")
