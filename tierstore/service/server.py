@@ -90,10 +90,9 @@ def build(args: argparse.Namespace, stack: ExitStack) -> tuple[Service, ServiceC
             log.info("L3 off: no --redis-url and no redis-server on PATH")
     if args.no_redis:
         redis_url = None
-    largest = max(e.nbytes for e in layout.envelopes().values())
-    max_value = min(512 << 20, max(64 << 20, largest + (64 << 10)))
-    remote = RemoteTierConfig(url=redis_url, key_prefix="ts", max_value_bytes=max_value) \
-        if redis_url else None
+    # Envelopes over RemoteTierConfig.chunk_bytes (e.g. a 77 MB Qwen3-Next checkpoint) are
+    # split across keys, so the defaults fit every layout.
+    remote = RemoteTierConfig(url=redis_url, key_prefix="ts") if redis_url else None
     config = StoreConfig(capacity_bytes=_l1_bytes(args, device), device=device,
                          eviction=args.eviction, write_policy=args.write_policy,
                          host_capacity_bytes=parse_size(args.l2) // 256 * 256, remote=remote)
@@ -102,8 +101,7 @@ def build(args: argparse.Namespace, stack: ExitStack) -> tuple[Service, ServiceC
                                    auth_token=args.auth_token or env.auth_token,
                                    max_body_bytes=parse_size(args.max_body),
                                    lease_ttl_s=args.lease_ttl)
-    kv_remote = RemoteTierConfig(url=redis_url, key_prefix="tskv", max_value_bytes=max_value) \
-        if redis_url else None
+    kv_remote = RemoteTierConfig(url=redis_url, key_prefix="tskv") if redis_url else None
     return Service(store, service_config, kv_remote), service_config
 
 
