@@ -35,3 +35,12 @@ def test_bench_arena_json(capsys: pytest.CaptureFixture[str]) -> None:
 def test_demo_runs(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo"]) == 0
     assert "logits identical: True" in capsys.readouterr().out
+
+
+def test_bench_split_json(redis_bin: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """One 17 MiB value: two 16 MiB-chunk parts against one whole value, bytes checked."""
+    assert main(["bench", "split", "--sizes-mib", "17", "--values", "1", "--rounds", "2",
+                 "--no-cluster", "--json"]) == 0
+    (row,) = last_json(capsys)["rows"]
+    assert row["topology"] == "standalone" and row["size_mib"] == 17
+    assert min(row["split_put"], row["whole_put"], row["split_get"], row["whole_get"]) > 0
