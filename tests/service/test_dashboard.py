@@ -26,6 +26,7 @@ import torch
 from tierstore.config import StoreConfig
 from tierstore.service.config import ServiceConfig
 from tierstore.store import TierStore
+from tierstore.testing.apt import ProgramUnavailableError, find_or_install
 from tierstore.testing.reference_model import tiny_layout
 from tierstore.testing.service import RunningService, free_port
 
@@ -41,9 +42,10 @@ DIRECTIONS = ("l1_to_l2", "l1_to_l3", "l2_to_l3", "l2_to_l1", "l3_to_l1", "l3_to
 @pytest.fixture(scope="module")
 def chromium() -> str:
     """The Chromium binary; installed from Debian's ``chromium`` package when missing."""
-    for name in ("chromium", "chromium-browser", "google-chrome"):
-        if path := shutil.which(name):
-            return path
+    try:
+        return find_or_install(["chromium", "chromium-browser", "google-chrome"], "chromium")
+    except ProgramUnavailableError as exc:
+        pytest.skip(str(exc))
     if not hasattr(os, "geteuid") or os.geteuid() != 0 or shutil.which("apt-get") is None:
         pytest.skip("Chromium is not installed and cannot be installed here "
                     "(needs root and apt-get: apt-get install -y chromium)")

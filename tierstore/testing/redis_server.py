@@ -20,30 +20,24 @@ import time
 from collections.abc import Sequence
 from types import TracebackType
 
+from tierstore.testing.apt import ProgramUnavailableError, find_or_install
+
 log = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"
 
 
-class RedisUnavailableError(RuntimeError):
+class RedisUnavailableError(ProgramUnavailableError):
     """``redis-server`` is not installed and cannot be installed here."""
 
 
 def redis_binary(name: str = "redis-server") -> str:
     """The path of ``name`` (``redis-server``, ``redis-cli``, ``redis-benchmark``); installs
     the ``redis-server`` apt package if it is missing and this process runs as root."""
-    path = shutil.which(name)
-    if path:
-        return path
-    if os.name == "posix" and os.geteuid() == 0 and shutil.which("apt-get"):
-        log.info("%s not found; installing redis-server with apt-get", name)
-        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        for cmd in (["apt-get", "update"], ["apt-get", "install", "-y", "redis-server"]):
-            subprocess.run(cmd, check=False, env=env, capture_output=True, timeout=600)
-        path = shutil.which(name)
-        if path:
-            return path
-    raise RedisUnavailableError(f"{name} is not installed (apt-get install redis-server)")
+    try:
+        return find_or_install([name], "redis-server", timeout_s=600)
+    except ProgramUnavailableError as exc:
+        raise RedisUnavailableError(str(exc)) from exc
 
 
 def free_port(*, with_bus: bool = False) -> int:
