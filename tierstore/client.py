@@ -108,6 +108,13 @@ class AsyncClient:
                                                               "namespace": namespace})
         return int(reply["count"])
 
+    async def exists_each(self, keys: Sequence[str], namespace: str = "default") -> list[bool]:
+        """Whether the service holds each of ``keys`` (any order of gaps)."""
+        reply = await self._post("/v1/storage/batch_exists", {"keys": list(keys),
+                                                              "namespace": namespace,
+                                                              "each": True})
+        return [bool(v) for v in reply["present"]]
+
     async def delete(self, keys: Sequence[str], namespace: str = "default") -> int:
         reply = await self._post("/v1/storage/delete", {"keys": list(keys),
                                                         "namespace": namespace})

@@ -289,7 +289,7 @@ def test_v2_round_trip_and_trailing_pages(hybrid: tuple[Any, ...]) -> None:
     # KV holds 5 pages: the state at 6 has no KV prefix, so 4 is the longest usable one.
     query = [transfer(PoolName.MAMBA, [keys[5]], [0], trailing)]
     result = backend.batch_exists_v2(keys, query)
-    assert result.kv_hit_pages == 4 and result.restorable_prefix_pages == [4]
+    assert result.kv_hit_pages == 4 and result.restorable_prefix_pages == [2, 4]
     assert result.extra_pool_hit_pages[PoolName.KV] == 5
     assert result.extra_pool_hit_pages[PoolName.MAMBA] == 4
     assert backend.batch_exists_v2(keys[:3], query).kv_hit_pages == 2
@@ -318,6 +318,49 @@ def test_v2_trailing_window_and_all_pages(hybrid: tuple[Any, ...]) -> None:
     # A trailing pool and an all_pages pool must agree on one end.
     both = backend.batch_exists_v2(keys, every + window)
     assert both.kv_hit_pages == 3
+
+
+def test_v2_existence_answers_as_sglangs_file_backend(
+    hybrid: tuple[Any, ...], tmp_path: Any,
+) -> None:
+    """The same pages present in tierstore and in SGLang's own HiCacheFile (its files made
+    directly): batch_exists_v2 must give the same hit pages and restorable lengths, which
+    SGLang intersects across TP ranks."""
+    backend = hybrid[0]
+    config = hicache.HiCacheStorageConfig(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
+        model_name="m", extra_config={"file_storage_path": str(tmp_path)})
+    reference = factory.StorageBackendFactory.create_backend("file", config, None)
+    rng = torch.Generator().manual_seed(11)
+    for case in range(12):
+        n = 8
+        keys = page_keys(f"ref{case}", n)
+        kv_have = n if case % 3 else int(torch.randint(0, n + 1, (1,), generator=rng))
+        have = {name: [i for i in range(n) if bool(torch.rand(1, generator=rng) < 0.6)]
+                for name in (PoolName.MAMBA, PoolName.SWA)}
+        backend.batch_set_v1(keys[:kv_have], torch.arange(kv_have * PAGE))
+        for name, idx in have.items():
+            if idx:
+                backend.batch_set_v2([transfer(name, [keys[i] for i in idx], [0] * len(idx),
+                                               PoolHitPolicy.TRAILING_PAGES)])
+        for path in ([reference._get_component_key(k) for k in keys[:kv_have]]
+                     + [reference._get_component_key(keys[i], name)
+                        for name, idx in have.items() for i in idx]):
+            (tmp_path / f"{path}.bin").write_bytes(b"x")
+        queries = [
+            [transfer(PoolName.MAMBA, keys[-1:], [0], PoolHitPolicy.TRAILING_PAGES)],
+            [transfer(PoolName.SWA, keys[-3:], [0, 1, 2], PoolHitPolicy.TRAILING_PAGES)],
+            [transfer(PoolName.MAMBA, keys[-1:], [0], PoolHitPolicy.TRAILING_PAGES),
+             transfer(PoolName.SWA, keys[-2:], [0, 1], PoolHitPolicy.TRAILING_PAGES)],
+            [transfer(PoolName.SWA, keys, list(range(n)), PoolHitPolicy.ALL_PAGES)],
+        ]
+        for query in queries:
+            ours, theirs = backend.batch_exists_v2(keys, query), \
+                reference.batch_exists_v2(keys, query)
+            assert (ours.kv_hit_pages, ours.restorable_prefix_pages) == \
+                (theirs.kv_hit_pages, theirs.restorable_prefix_pages), (case, have, kv_have)
+            assert ours.extra_pool_hit_pages == theirs.extra_pool_hit_pages, (case, have)
 
 
 def test_v2_unregistered_pool_is_a_miss(make_backend: Factory) -> None:

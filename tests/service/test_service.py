@@ -132,6 +132,8 @@ def test_leases_lock_until_released_or_expired(client: Client, svc: RunningServi
          "bad_key"),
         ("/v1/storage/batch_set", msgpack.packb({"keys": ["a", "b"], "values": [b"v"]}), 422,
          "wrong_shape"),
+        ("/v1/storage/batch_exists", msgpack.packb({"keys": ["a"], "each": "yes"}), 400,
+         "bad_field"),
         ("/v1/nope", msgpack.packb({}), 404, "not_found"),
     ],
 )
@@ -201,6 +203,9 @@ def test_storage_api_round_trip_prefix_exists_and_redis_backing(client: Client,
     assert client.batch_set(keys[:4], values[:4]) == [True] * 4
     assert client.batch_exists(keys) == 4
     assert client.batch_exists(["page-0", "page-9", "page-1"]) == 1
+    # Per key, past gaps: host copies and Redis-only values alike.
+    assert client.exists_each(["page-0", "page-9", "page-3", "page-5"]) == \
+        [True, False, True, False]
     assert client.batch_get(keys[:5]) == [*values[:4], None]
     assert client.batch_get(keys[:2], namespace="other") == [None, None]
     assert client.batch_exists(keys, namespace="other") == 0

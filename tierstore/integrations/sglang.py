@@ -410,60 +410,50 @@ class TierStoreHiCacheStorage(_Base):
     @_shielded(lambda *_, **__: _sgl.PoolTransferResult.empty())
     def batch_exists_v2(self, keys: list[str], pool_transfers: list[Any] | None = None,
                         extra_info: Any = None) -> Any:
-        """The longest KV prefix at which every pool can be restored.
+        """Every KV prefix length at which every pool can be restored, as SGLang's own
+        backends answer it (its caller intersects the sets of all ranks).
 
         ``all_pages`` pools must hold every page of the prefix; ``trailing_pages`` pools only
         the last ``len(transfer.keys)`` pages before its end (Mamba state, SWA window), so a
-        state page counts only when its KV prefix is stored too. Pool pages live under the KV
-        page hashes of ``keys``. The restorable lengths reported are all of them for KV and
-        ``all_pages`` pools, and the longest common one when a ``trailing_pages`` pool takes
-        part (the storage API answers prefix counts, not per-key presence).
+        prefix length counts only when its KV pages are stored too. Pool pages live under the
+        KV page hashes of ``keys``. One existence request per pool (per ``max_batch`` keys).
         """
         keys = list(keys)
         kv_pages = self._count(self._ns(KV), keys)
         hits: dict[Any, int] = {_sgl.PoolName.KV: kv_pages} if kv_pages else {}
-        cap = kv_pages
-        trailing: list[tuple[str, list[str], int]] = []
+        restorable = list(range(1, kv_pages + 1))
         for transfer in pool_transfers or []:
+            if not restorable:
+                break
             name = str(transfer.name)
             info = self._pools.get(name)
-            if info is None or cap == 0:
-                if info is None:
-                    self._log.warning("tierstore: no host pool registered as %r", name)
-                cap = 0
+            if info is None:
+                self._log.warning("tierstore: no host pool registered as %r", name)
+                restorable = []
                 break
             ns, pool_keys = self._ns(name), [self._key(k, name, info) for k in keys[:kv_pages]]
             if transfer.hit_policy == _sgl.PoolHitPolicy.ALL_PAGES:
-                own = self._count(ns, pool_keys)
+                own = set(range(1, self._count(ns, pool_keys) + 1))
             elif transfer.hit_policy == _sgl.PoolHitPolicy.TRAILING_PAGES:
                 window = max(1, len(transfer.keys or []))
-                own = self._last_window(ns, pool_keys, window, kv_pages)
-                trailing.append((ns, pool_keys, window))
+                own = _window_ends(self._present(ns, pool_keys), window)
             else:
                 self._log.warning("tierstore: hit policy %s is not supported (pool %s)",
                                   transfer.hit_policy, name)
-                own = 0
+                own = set()
             if own:
-                hits[transfer.name] = own
-            cap = min(cap, own)
-        end = cap
-        while end > 0 and trailing:  # every trailing window must end at the same page
-            common = min(self._last_window(ns, pk, w, end) for ns, pk, w in trailing)
-            if common == end:
-                break
-            end = common
-        restorable = [end] if trailing and end else list(range(1, end + 1))
-        return _sgl.PoolTransferResult(end, hits, restorable)
+                hits[transfer.name] = max(own)
+            restorable = [p for p in restorable if p in own]
+        return _sgl.PoolTransferResult(restorable[-1] if restorable else 0, hits, restorable)
 
-    def _last_window(self, ns: str, pool_keys: list[str], window: int, end: int) -> int:
-        """The largest ``p <= end`` with ``pool_keys[p - window:p]`` all stored (0: none)."""
-        while end > 0:
-            start = max(0, end - window)
-            found = self._count(ns, pool_keys[start:end])
-            if found == end - start:
-                return end
-            end = start + found  # every window ending past the missing page contains it
-        return 0
+    def _present(self, ns: str, keys: Sequence[str]) -> list[bool]:
+        """Whether the service holds each key (absent where a request failed)."""
+        present: list[bool] = []
+        for part in _chunks([0] * len(keys), self.config.max_batch, 1):
+            chunk = list(keys[part])
+            got = self._request(None, functools.partial(self._client.exists_each, chunk, ns))
+            present += got if got is not None and len(got) == len(chunk) else [False] * len(chunk)
+        return present
 
     # ------------------------------------------------------------------ control
     @_shielded(lambda *_, **__: False)
@@ -502,3 +492,13 @@ class TierStoreHiCacheStorage(_Base):
     def close(self) -> None:
         """Close the client and its event-loop thread."""
         self._client.close()
+
+
+def _window_ends(present: Sequence[bool], window: int) -> set[int]:
+    """Prefix lengths ``p`` whose last ``min(window, p)`` pages are all present."""
+    ends, run = set(), 0
+    for p, here in enumerate(present, 1):
+        run = run + 1 if here else 0
+        if run >= min(window, p):
+            ends.add(p)
+    return ends

@@ -325,8 +325,13 @@ class Service:
         return await _stream(request, msgpack_chunks({"values": values}))
 
     async def batch_exists(self, request: web.Request) -> web.Response:
-        keys = self._keys(await read_body(request))
-        return web.json_response({"count": await self.kv.batch_exists(keys)})
+        body = await read_body(request)
+        keys = self._keys(body)
+        if not field(body, "each", bool, default=False):
+            return web.json_response({"count": await self.kv.batch_exists(keys)})
+        present = await self.kv.exists_each(keys)
+        count = next((i for i, here in enumerate(present) if not here), len(present))
+        return web.json_response({"count": count, "present": present})
 
     async def delete(self, request: web.Request) -> web.Response:
         keys = self._keys(await read_body(request))

@@ -85,6 +85,22 @@ class KeyValueStore:
                 log.warning("redis exists failed: %s", exc)
         return count
 
+    async def exists_each(self, keys: Sequence[str]) -> list[bool]:
+        """Whether some tier holds each of ``keys`` (one Redis probe for those not in host
+        memory; a failed probe reads absent)."""
+        present = [k in self._host for k in keys]
+        rest = [i for i, here in enumerate(present) if not here]
+        if rest and self.remote is not None:
+            try:
+                found = await self.remote.exists_many([self.remote.raw_key(keys[i])
+                                                       for i in rest])
+            except RemoteTierError as exc:
+                log.warning("redis exists failed: %s", exc)
+                found = [False] * len(rest)
+            for i, here in zip(rest, found, strict=True):
+                present[i] = here
+        return present
+
     async def delete(self, keys: Sequence[str]) -> int:
         """Delete ``keys`` everywhere; how many some tier held."""
         deleted = set()
