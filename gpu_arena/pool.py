@@ -121,7 +121,7 @@ class Pool:
         self.free_ids[self.num_free_ids : self.num_free_ids + n] = ids.flip(0)
         self.num_free_ids += n
         self.num_live -= n
-        self._log(ids.clone())
+        self._log(ids)
         if self.fenced_refs:
             self.num_pending += int(self._fenced_at(slots).sum())
         return slots
@@ -164,7 +164,7 @@ class Pool:
             self.changed.clear()
             self.num_changed = self.max_slots
         else:
-            self.changed.append(ids)
+            self.changed.append(ids.clone())  # callers own (and may change) the ids they pass
 
     def add_fence(self, slots: torch.Tensor, write: bool, delta: int) -> None:
         """Count a fence on (``delta=1``) or off (``delta=-1``) ``slots``."""

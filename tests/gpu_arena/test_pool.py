@@ -70,3 +70,12 @@ def test_no_log_without_a_mirror() -> None:
     pool = Pool(PoolSpec("kv", 16, "low"), origin=0, max_slots=SLOTS, lo=0)
     pool.take_ids(torch.arange(4))
     assert pool.changed is None and pool.num_changed == 0
+
+
+def test_the_log_keeps_its_own_copy_of_the_ids() -> None:
+    pool = _pool()
+    mirror = pool.loc.clone()
+    ids = pool.take_ids(torch.tensor([3, 4]))
+    ids[0] = 40  # the caller reuses its tensor
+    pool.patch(mirror)
+    assert torch.equal(mirror, pool.loc)
