@@ -13,6 +13,8 @@ from tierstore.store import TierStore
 from tierstore.testing.reference_model import ReferenceModel, tiny_layout
 
 LAYOUT = tiny_layout(page_size=4)
+UNITS = {k: e.nbytes for k, e in LAYOUT.envelopes().items()}
+ONE_REQUEST = 8 * (UNITS["kv"] + UNITS["swa"]) + 3 * UNITS["state"]  # a 30-token request's blocks
 CUDA = pytest.param("cuda", marks=[
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])
 
@@ -63,9 +65,7 @@ def test_shared_prefix_of_another_request_is_reused() -> None:
 
 
 def test_hit_after_eviction_pressure_and_compaction(device: str) -> None:
-    units = {k: e.nbytes for k, e in LAYOUT.envelopes().items()}
-    # Room for about four requests' worth of blocks: later requests force evictions.
-    capacity = 4 * (8 * (units["kv"] + units["swa"]) + 3 * units["state"])
+    capacity = 4 * ONE_REQUEST  # about four requests' worth: later requests force evictions
     m = model(capacity, device=device)
     target = prompt(30, 10)
     m.generate(target, 2)
@@ -84,8 +84,7 @@ def test_hit_after_eviction_pressure_and_compaction(device: str) -> None:
 
 
 def test_evicted_prefix_is_recomputed_correctly() -> None:
-    units = {k: e.nbytes for k, e in LAYOUT.envelopes().items()}
-    m = model(3 * (8 * (units["kv"] + units["swa"]) + 3 * units["state"]))
+    m = model(3 * ONE_REQUEST)
     target = prompt(30, 20)
     m.generate(target, 2)
     for i in range(6):
@@ -111,35 +110,28 @@ def _pushed_out(m: ReferenceModel, target: list[int], others: int, seed: int) ->
     assert m.store.peek(target[:-1]) == 0, "the target should have left L1"
 
 
-def test_prefix_back_from_host_tier_gives_the_same_logits(device: str) -> None:
-    units = {k: e.nbytes for k, e in LAYOUT.envelopes().items()}
-    one = 8 * (units["kv"] + units["swa"]) + 3 * units["state"]
-    m = model(2 * one, host_capacity_bytes=20 * one, device=device)
-    target = prompt(30, 30)
+def _served_back_from(m: ReferenceModel, tier: int, seed: int) -> None:
+    """A prefix pushed out of L1 into ``tier`` comes back: same logits as from scratch."""
+    target = prompt(30, seed)
     m.generate(target, 2)
-    _pushed_out(m, target, 4, 300)
-    assert m.store.peek(target[:-1], tiers=(2,)) == 28
+    _pushed_out(m, target, 4, 10 * seed)
+    assert m.store.peek(target[:-1], tiers=(tier,)) == 28
     served = m.generate(target, 4)
     assert served.cached_tokens == 28
-    assert m.store.stats().hit_requests["l2"] >= 1
+    assert m.store.stats().hit_requests[f"l{tier}"] >= 1
     assert same_logits(served.logits, target)
     m.store.check_integrity()
+
+
+def test_prefix_back_from_host_tier_gives_the_same_logits(device: str) -> None:
+    m = model(2 * ONE_REQUEST, host_capacity_bytes=20 * ONE_REQUEST, device=device)
+    _served_back_from(m, 2, seed=30)
 
 
 def test_prefix_back_from_redis_gives_the_same_logits(redis_url: str, device: str) -> None:
     from remote_tier import RemoteTierConfig
 
-    units = {k: e.nbytes for k, e in LAYOUT.envelopes().items()}
-    one = 8 * (units["kv"] + units["swa"]) + 3 * units["state"]
-    m = model(2 * one, remote=RemoteTierConfig(url=redis_url, key_prefix="ref"),
+    m = model(2 * ONE_REQUEST, remote=RemoteTierConfig(url=redis_url, key_prefix="ref"),
               device=device)
-    target = prompt(30, 40)
-    m.generate(target, 2)
-    _pushed_out(m, target, 4, 400)
-    assert m.store.peek(target[:-1], tiers=(3,)) == 28
-    served = m.generate(target, 4)
-    assert served.cached_tokens == 28
-    assert m.store.stats().hit_requests["l3"] >= 1
-    assert same_logits(served.logits, target)
-    m.store.check_integrity()
+    _served_back_from(m, 3, seed=40)
     m.store.close()
