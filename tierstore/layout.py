@@ -26,6 +26,16 @@ from typing import Any, Literal
 
 import torch
 
+from tierstore.architectures import (
+    LayerCache,
+    LayoutError,
+    Recurrent,
+    divide,
+    layer_caches,
+    positive,
+    recurrent_fields,
+)
+
 __all__ = [
     "ENVELOPE_ALIGN", "Envelope", "Field", "LayoutError", "ModelLayout",
     "layout_from_config", "load_config", "load_preset", "preset_names",
@@ -35,26 +45,12 @@ ENVELOPE_ALIGN = 256  # envelope sizes round up to this so batched copies stay v
 _FIELD_ALIGN = 16  # state fields start 16-byte aligned so per-layer kernels get vector loads
 
 EnvelopeKind = Literal["kv", "swa", "state"]
-_LayerKind = Literal["full", "swa", "linear", "mamba", "none"]
 
-_LAYER_TYPES: dict[str, _LayerKind] = {
-    "full_attention": "full", "sliding_attention": "swa",
-    "linear_attention": "linear", "mamba": "mamba",
-}
-# Nemotron-H pattern: M = Mamba2, * = attention, - = MLP, E = MoE (the last two hold no cache).
-_PATTERN_KINDS: dict[str, _LayerKind] = {"M": "mamba", "*": "full", "-": "none", "E": "none"}
-_BLOCK_TYPES: dict[str, _LayerKind] = {
-    "mamba": "mamba", "attention": "full", "mlp": "none", "moe": "none",
-}
 _DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
 }
-
-
-class LayoutError(ValueError):
-    """A config (or request) the layout cannot interpret; the message names the key and value."""
 
 
 @dataclass(frozen=True)
@@ -156,22 +152,6 @@ def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _positive(config: dict[str, Any], key: str, why: str) -> int:
-    """The positive int at ``key``; LayoutError naming the key when missing or invalid."""
-    if key not in config:
-        raise LayoutError(f"config key {key!r} is missing (needed for {why})")
-    value = config[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise LayoutError(f"config key {key!r} = {value!r} must be a positive integer")
-    return value
-
-
-def _divide(total: int, tp_size: int, key: str) -> int:
-    if total % tp_size:
-        raise LayoutError(f"config key {key!r} = {total} is not divisible by tp_size {tp_size}")
-    return total // tp_size
-
-
 def _dtype(value: object, label: str, default: torch.dtype) -> torch.dtype:
     """A torch dtype from a dtype, a dtype name or None (``default``); LayoutError otherwise."""
     if value is None:
@@ -184,53 +164,12 @@ def _dtype(value: object, label: str, default: torch.dtype) -> torch.dtype:
     return _DTYPES[text]
 
 
-def _mapped(config: dict[str, Any], key: str, table: dict[str, _LayerKind]) -> list[_LayerKind]:
-    """Map a per-layer list (or pattern string) through ``table``; LayoutError on a stray value."""
-    values = config[key]
-    if not isinstance(values, (list, str)) or not values:
-        raise LayoutError(f"config key {key!r} = {values!r} must be a non-empty list or string")
-    for i, value in enumerate(values):
-        if not isinstance(value, str) or value not in table:
-            raise LayoutError(f"config key {key!r}[{i}] = {value!r} is not one of {sorted(table)}")
-    return [table[value] for value in values]
-
-
-def _layer_kinds(config: dict[str, Any]) -> list[_LayerKind]:
-    """Per-layer cache kind, from layer_types, a Nemotron-H pattern or a model-type default."""
-    model_type = config.get("model_type")
-    kinds: list[_LayerKind]
-    if "layer_types" in config:
-        kinds = _mapped(config, "layer_types", _LAYER_TYPES)
-    elif model_type == "nemotron_h" and "hybrid_override_pattern" in config:
-        kinds = _mapped(config, "hybrid_override_pattern", _PATTERN_KINDS)
-    elif model_type == "nemotron_h" and "layers_block_type" in config:
-        kinds = _mapped(config, "layers_block_type", _BLOCK_TYPES)
-    elif model_type == "nemotron_h":
-        raise LayoutError("config key 'hybrid_override_pattern' is missing (nemotron_h layers)")
-    elif model_type == "qwen3_next":
-        n = _positive(config, "num_hidden_layers", "qwen3_next layer types")
-        every = _positive(config, "full_attention_interval", "qwen3_next layer types")
-        kinds = ["full" if (i + 1) % every == 0 else "linear" for i in range(n)]
-    elif model_type == "gpt_oss":
-        # The transformers default when a GPT-OSS config omits layer_types: sliding first.
-        n = _positive(config, "num_hidden_layers", "gpt_oss layer types")
-        kinds = ["swa" if i % 2 == 0 else "full" for i in range(n)]
-    else:
-        raise LayoutError(f"config key 'model_type' = {model_type!r} is not supported and the "
-                          "config has no 'layer_types'")
-    declared = config.get("num_hidden_layers")
-    if declared is not None and declared != len(kinds):
-        raise LayoutError(f"config key 'num_hidden_layers' = {declared!r} disagrees with the "
-                          f"{len(kinds)} layers its layer types describe")
-    return kinds
-
-
 def _head_dim(config: dict[str, Any]) -> int:
     for key in ("head_dim", "attention_head_dim"):
         if config.get(key) is not None:
-            return _positive(config, key, "attention head size")
-    hidden = _positive(config, "hidden_size", "attention head size (no head_dim)")
-    heads = _positive(config, "num_attention_heads", "attention head size (no head_dim)")
+            return positive(config, key, "attention head size")
+    hidden = positive(config, "hidden_size", "attention head size (no head_dim)")
+    heads = positive(config, "num_attention_heads", "attention head size (no head_dim)")
     if hidden % heads:
         raise LayoutError(f"config key 'hidden_size' = {hidden} is not divisible by "
                           f"'num_attention_heads' = {heads}")
@@ -256,48 +195,21 @@ def _attention_envelope(
     return Envelope(kind, _align(raw, ENVELOPE_ALIGN), raw, fields)
 
 
-def _recurrent_shapes(
-    config: dict[str, Any], kind: _LayerKind, tp_size: int,
-) -> tuple[tuple[int, int], tuple[int, int, int]]:
-    """(conv shape, ssm shape) of one recurrent layer on one TP rank."""
-    if kind == "linear":  # Gated DeltaNet, Qwen3-Next field names
-        why = "linear-attention state"
-        k_heads = _divide(_positive(config, "linear_num_key_heads", why), tp_size,
-                          "linear_num_key_heads")
-        v_heads = _divide(_positive(config, "linear_num_value_heads", why), tp_size,
-                          "linear_num_value_heads")
-        k_dim = _positive(config, "linear_key_head_dim", why)
-        v_dim = _positive(config, "linear_value_head_dim", why)
-        kernel = _positive(config, "linear_conv_kernel_dim", why)
-        conv_dim = 2 * k_heads * k_dim + v_heads * v_dim
-        ssm: tuple[int, int, int] = (v_heads, k_dim, v_dim)
-    else:  # Mamba2, Nemotron-H field names
-        why = "Mamba2 state"
-        heads = _divide(_positive(config, "mamba_num_heads", why), tp_size, "mamba_num_heads")
-        groups = _divide(_positive(config, "n_groups", why), tp_size, "n_groups")
-        head_dim = _positive(config, "mamba_head_dim", why)
-        d_state = _positive(config, "ssm_state_size", why)
-        kernel = _positive(config, "conv_kernel", why)
-        conv_dim = heads * head_dim + 2 * groups * d_state
-        ssm = (heads, head_dim, d_state)
-    if kernel < 2:
-        key = "linear_conv_kernel_dim" if kind == "linear" else "conv_kernel"
-        raise LayoutError(f"config key {key!r} = {kernel} must be at least 2 to carry state")
-    return (conv_dim, kernel - 1), ssm
-
-
 def _state_envelope(
-    config: dict[str, Any], layers: Sequence[tuple[int, _LayerKind]], tp_size: int,
+    config: dict[str, Any], layers: Sequence[tuple[int, Recurrent]], tp_size: int,
     conv_dtype: torch.dtype, ssm_dtype: torch.dtype,
 ) -> Envelope | None:
-    """Each recurrent layer's conv state then SSM state, contiguous, 16-byte aligned fields."""
+    """Each recurrent layer's conv state then SSM state (short-conv layers have none),
+    contiguous, 16-byte aligned fields."""
     if not layers:
         return None
     fields: list[Field] = []
     offset = 0
-    for layer, kind in layers:
-        conv, ssm = _recurrent_shapes(config, kind, tp_size)
+    for layer, flavour in layers:
+        conv, ssm = recurrent_fields(config, flavour, tp_size)
         for name, shape, dtype in (("conv", conv, conv_dtype), ("ssm", ssm, ssm_dtype)):
+            if shape is None:
+                continue
             offset = _align(offset, max(_FIELD_ALIGN, dtype.itemsize))
             field = Field(f"{name}.{layer}", dtype, shape, _contiguous_strides(shape), offset)
             fields.append(field)
@@ -353,28 +265,27 @@ def layout_from_config(
                          torch.float32)
     ssm_type = _dtype(state_dtype, "state_dtype", ssm_default)
 
-    kinds = _layer_kinds(config)
-    full = tuple(i for i, k in enumerate(kinds) if k == "full")
-    swa = tuple(i for i, k in enumerate(kinds) if k == "swa")
-    recurrent = [(i, k) for i, k in enumerate(kinds) if k in ("linear", "mamba")]
+    layers: list[LayerCache] = layer_caches(config)
+    full = tuple(i for i, c in enumerate(layers) if c.attention == "full")
+    swa = tuple(i for i, c in enumerate(layers) if c.attention == "swa")
+    recurrent = [(i, c.recurrent) for i, c in enumerate(layers) if c.recurrent is not None]
     if not (full or swa or recurrent):
-        raise LayoutError(f"config describes {len(kinds)} layers and none of them keeps a cache")
+        raise LayoutError(f"config describes {len(layers)} layers and none of them keeps a cache")
 
     kv_env = swa_env = None
     if full or swa:
-        total_heads = _positive(config, "num_key_value_heads", "attention KV")
-        kv_heads = _divide(total_heads, tp_size, "num_key_value_heads")
+        kv_heads = divide(config, "num_key_value_heads", tp_size, "attention KV")
         head_dim = _head_dim(config)
         kv_env = _attention_envelope("kv", full, kv_heads, head_dim, page_size, cache_dtype)
         swa_env = _attention_envelope("swa", swa, kv_heads, head_dim, page_size, cache_dtype)
-    window = _positive(config, "sliding_window", "sliding-window layers") if swa else None
+    window = positive(config, "sliding_window", "sliding-window layers") if swa else None
     state_env = _state_envelope(config, recurrent, tp_size, conv_type, ssm_type)
 
     label = name or config.get("name") or config.get("_name_or_path") or config.get("model_type")
     label = str(label)
     payload = {
         "name": label, "page_size": page_size, "tp": [tp_rank, tp_size], "window": window,
-        "layers": [full, swa, [i for i, _ in recurrent]],
+        "layers": [full, swa, [list(r) for r in recurrent]],
         "kv": _envelope_record(kv_env), "swa": _envelope_record(swa_env),
         "state": _envelope_record(state_env),
     }

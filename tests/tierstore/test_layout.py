@@ -369,7 +369,7 @@ def test_layout_is_frozen() -> None:
          "'linear_num_key_heads' is missing"),
         (mamba_config(hybrid_override_pattern="M-X*"), "'X'"),
         ({k: v for k, v in mamba_config().items() if k != "hybrid_override_pattern"},
-         "'hybrid_override_pattern' is missing"),
+         "'layers_block_type' and 'hybrid_override_pattern' are both missing"),
         ({k: v for k, v in mamba_config().items() if k != "ssm_state_size"}, "'ssm_state_size'"),
         (mamba_config(hybrid_override_pattern="--"), "none of them keeps a cache"),
         ({"model_type": "qwen3_next", "num_hidden_layers": 4}, "'full_attention_interval'"),
