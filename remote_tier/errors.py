@@ -43,6 +43,10 @@ class CorruptValue(RemoteTierError):
     """A stored value failed a header, length or checksum check (the caller sees a miss)."""
 
 
+class OldFormat(CorruptValue):
+    """A value written in a wire format this version no longer reads (read as a miss)."""
+
+
 class BadKey(RemoteTierError, ValueError):
     """A key or key part is malformed or outside this tier's prefix."""
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from remote_tier import wire
 from remote_tier.buffers import BufferPool
-from remote_tier.errors import CorruptValue
+from remote_tier.errors import CorruptValue, OldFormat
 from remote_tier.keys import KeyParts, part_key
 from remote_tier.resp import BulkSink, Reply
 from remote_tier.split import Assembly
@@ -26,7 +26,8 @@ class ReadBatch:
     batch: every head and, with ``outs``, every part that ``chunk_bytes`` predicts, each
     received straight into its slice. ``take_heads`` then ``finish`` (after reading the parts
     of the split values it returned); ``corrupt`` (heads) and ``useless`` (other keys) are
-    then what to delete."""
+    then what to delete, and ``absent`` the keys that read as absent (a key holding another
+Redis type than a string reads absent too: ``RedisTier`` probes them)."""
 
     def __init__(
         self,
@@ -46,6 +47,7 @@ class ReadBatch:
         self.results: list[memoryview | None] = [None] * len(keys_b)
         self.corrupt: list[bytes] = []  # heads of corrupt values
         self.useless: list[bytes] = []  # their parts, and every key of incomplete values
+        self.absent: list[int] = []  # keys whose head read as nil
         self._assemblies: list[tuple[int, Assembly]] = []
         self._planned: list[Assembly | None] = [None] * len(keys_b)
         self.fetch = list(keys_b)
@@ -75,6 +77,8 @@ class ReadBatch:
                 self._assemblies.append((i, plan))
                 continue
             out = None if self._outs is None else self._outs[i]
+            if replies[i] is None:
+                self.absent.append(i)
             got = self._accept(replies[i], self._parts[i], self._keys_b[i], out)
             if isinstance(got, Assembly):
                 self._assemblies.append((i, got))
@@ -96,8 +100,7 @@ class ReadBatch:
             if a.failure is None:
                 num_values += a.num_parts
             elif a.failure == "corrupt":
-                log.warning("corrupt split value %r; deleting it", a.key_b[:80])
-                self._counters.error("corrupt")
+                self._counters.anomaly("corrupt", a.parts.kind, f"split value {a.key_b[:80]!r}")
                 self.corrupt.append(a.key_b)
                 self.useless += a.part_keys()
             elif a.failure == "incomplete":
@@ -122,7 +125,9 @@ class ReadBatch:
                 scratch, payload = reply
                 header = _whole_header(scratch)
                 if header is not None and out is not None and len(payload) == len(out):
-                    wire.verify(header, payload, kind=parts.kind, layout_fp=parts.layout_fp)
+                    wire.verify(
+                        header, payload, key_b=key_b, kind=parts.kind, layout_fp=parts.layout_fp
+                    )
                     return payload
                 value = memoryview(b"".join(reply))  # another layout than expected: rejoin
             elif isinstance(reply, tuple) and len(reply) == 1:  # received into a pooled buffer
@@ -134,13 +139,15 @@ class ReadBatch:
             header, size = wire.read_header(value)
             payload = value[size:]
             if header.version == wire.FORMAT_VERSION:
-                wire.verify(header, payload, kind=parts.kind, layout_fp=parts.layout_fp)
+                wire.verify(
+                    header, payload, key_b=key_b, kind=parts.kind, layout_fp=parts.layout_fp
+                )
             else:
                 doomed = [part_key(key_b, i) for i in range(1, header.num_parts)]
                 return self._split_head(header, payload, parts, key_b, out)
         except CorruptValue as exc:
-            log.warning("corrupt value (%s); deleting it", exc)
-            self._counters.error("corrupt")
+            kind = "old_format" if isinstance(exc, OldFormat) else "corrupt"
+            self._counters.anomaly(kind, parts.kind, f"{exc} at {key_b[:80]!r}")
             return doomed
         if out is not None:  # a value whose header size was unexpected came in whole
             if len(payload) != len(out):

@@ -3,8 +3,9 @@ reassembly of a split value read back (layout and headers: ``wire``; part keys: 
 
 A split value is visible once its head (part 0, at the key itself) is: the head is written
 after every other part is acknowledged, so a reader goes by the head's header. Every part
-carries the whole payload's checksum, so parts of two different writes of one key are never
-taken for one value, and the assembled payload is checked once as a whole.
+carries the whole payload's checksum — bound to the head's key — so parts of two different
+writes of one key, or of another key's value, are never taken for one value, and the
+assembled payload is checked once as a whole against the key it is read at.
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ def values_of(
             f"{config.chunk_bytes}, at most {wire.MAX_PARTS}"
         )
     if num == 1:
-        values = [(key_b, wire.encode_header(kind, fp, payload), payload)]
+        values = [(key_b, wire.encode_header(key_b, kind, fp, payload), payload)]
     else:
-        digest = wire.checksum(payload)
+        digest = wire.checksum(key_b, fp, payload)
         values = []
         for index in [*range(1, num), 0]:
             lo, hi = wire.part_span(total, num, index)
@@ -121,7 +122,8 @@ class Assembly:
     def finish(self) -> memoryview | None:
         """The assembled payload (``dest``) once every part passed and the whole checksum
         matches; else ``None`` with ``failure`` set."""
-        if self.failure is None and wire.checksum(self.dest) != self.digest:
+        fp = self.parts.layout_fp
+        if self.failure is None and wire.checksum(self.key_b, fp, self.dest) != self.digest:
             self._fail("corrupt")
         return self.dest if self.failure is None else None
 

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from remote_tier.breaker import BreakerState
+
+log = logging.getLogger(__name__)
+LOG_INTERVAL_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -16,7 +22,9 @@ class RemoteTierStats:
     ``timeout``, ``circuit_open``, ``auth``, ``topology`` (server unreachable or refused),
     ``server`` (error replies), ``moved`` (stale cluster slot map), ``corrupt`` (a value
     failed a check), ``incomplete`` (a split value missing a part), ``size_mismatch`` (valid
-    value, wrong size for the caller's buffer). Values count once however many parts they
+    value, wrong size for the caller's buffer), ``old_format`` (a value in a wire format before
+    key binding), ``wrongtype`` (a key of this tier holding a non-string Redis type, e.g. a
+    LIST). Values count once however many parts they
     are split into: ``bytes_in``/``bytes_out`` count payload bytes of hits and acknowledged
     puts (headers excluded). ``breakers`` maps each node address to its breaker state.
     """
@@ -36,7 +44,9 @@ class RemoteTierStats:
 class Counters:
     """Mutable counters, bumped once per batch at the tier's edge (never per byte)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._logged: dict[tuple[str, str], float] = {}  # (kind, key class) -> last log time
         self.num_hits = 0
         self.num_misses = 0
         self.num_puts = 0
@@ -50,6 +60,20 @@ class Counters:
     def error(self, kind: str, count: int = 1) -> None:
         """Count ``count`` errors of ``kind``."""
         self.errors[kind] += count
+
+    def anomaly(self, kind: str, key_class: str, detail: str, count: int = 1) -> None:
+        """Count ``count`` errors of ``kind`` and log a warning at most once per
+        ``LOG_INTERVAL_S`` per ``(kind, key_class)`` (``key_class``: the key's kind, e.g.
+        ``kv`` or ``raw``), saying how many were seen since the last line."""
+        self.errors[kind] += count
+        now = self._clock()
+        last = self._logged.get((kind, key_class))
+        if last is None or now - last >= LOG_INTERVAL_S:
+            self._logged[(kind, key_class)] = now
+            log.warning(
+                "redis %s value (%s keys, %d so far): %s; deleting it",
+                kind, key_class, self.errors[kind], detail,
+            )
 
     def snapshot(self, breakers: dict[str, BreakerState]) -> RemoteTierStats:
         """The counters as an immutable ``RemoteTierStats``."""

@@ -145,8 +145,9 @@ class RedisTier:
         if outs is not None and len(outs) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(outs)} output buffers")
         chunk, router, c = self.config.chunk_bytes, self._router, self._counters
+        keys_b = [k.encode() for k in keys]
         reads = ReadBatch(
-            [k.encode() for k in keys],
+            keys_b,
             parts,
             outs,
             chunk_bytes=chunk,
@@ -166,6 +167,10 @@ class RedisTier:
         num_bytes = sum(len(r) for r in results if r is not None)
         c.bytes_in += num_bytes
         router.note_values(num_values, num_bytes)
+        if reads.absent:  # MGET reads a LIST (any non-string) as nil: find those
+            reads.corrupt += await self._wrong_types(
+                [keys_b[i] for i in reads.absent], [parts[i].kind for i in reads.absent]
+            )
         if reads.corrupt or reads.useless:
             dropped, _ = await asyncio.gather(
                 router.unlink(reads.corrupt), router.unlink(reads.useless)
@@ -278,6 +283,19 @@ class RedisTier:
                 continue
             found += [part_key(keys_b[group[0]], i) for i in range(1, header.num_parts)]
         return found
+
+    async def _wrong_types(self, keys_b: list[bytes], classes: list[str]) -> list[bytes]:
+        """The keys among ``keys_b`` (each read as nil) that hold another Redis type than a
+        string, each counted and logged (rate-limited, per key class) as ``wrongtype``. A key
+        written or deleted meanwhile reads ``string`` / ``none`` and is left alone."""
+        wrong: list[bytes] = []
+        for group, reply in await self._router.run_keyed("TYPE", keys_b, 1, None):
+            kind = reply.decode() if isinstance(reply, (bytes, bytearray)) else reply
+            if isinstance(kind, str) and kind not in ("string", "none"):
+                i = group[0]
+                wrong.append(keys_b[i])
+                self._counters.anomaly("wrongtype", classes[i], f"a {kind} at {keys_b[i][:80]!r}")
+        return wrong
 
     async def _drop(self, keys_b: list[bytes]) -> int:
         """``UNLINK`` ``keys_b``; how many existed, parts of split values not counted."""

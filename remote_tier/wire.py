@@ -1,35 +1,47 @@
 """The stored value: a small msgpack header followed by the raw payload bytes.
 
-A whole value (format 1) has the header ``[1, kind, layout_fp, payload_len, checksum]`` where
-``checksum`` is the 8-byte big-endian xxh3-64 digest of the payload, packed as ``bin 8`` so
-the header's size depends only on ``(kind, layout_fp, payload_len)`` — a reader that knows
-those can receive the payload straight into its own buffer (``header_size``).
+A whole value (format 3) has the header ``[3, kind, layout_fp, payload_len, checksum]`` where
+``checksum`` is the 8-byte big-endian xxh3-64 digest of the *binding* — the full Redis key,
+the layout fingerprint and the payload length, each length-prefixed — followed by the
+payload. A value copied under another key therefore fails its check there and is never served
+as that key's bytes. It is packed as ``bin 8`` so the header's size depends only on ``(kind,
+layout_fp, payload_len)`` — a reader that knows those can receive the payload straight into
+its own buffer (``header_size``).
 
-A payload split into ``num_parts`` parts (format 2, ``num_parts`` >= 2) is stored as one value
-per part, each with the header ``[2, kind, layout_fp, total_len, checksum, index, num_parts]``
-(``total_len`` and ``checksum`` of the whole payload) followed by that part's bytes: part
+A payload split into ``num_parts`` parts (format 4, ``num_parts`` >= 2) is stored as one value
+per part, each with the header ``[4, kind, layout_fp, total_len, checksum, index, num_parts]``
+(``total_len`` and ``checksum`` of the whole payload, bound to the head's key) followed by
+that part's bytes: part
 ``index`` is ``payload[part_span(total_len, num_parts, index)]`` — parts of ``ceil(total_len /
 num_parts)`` bytes, the last one the remainder. Its header size depends only on ``(kind,
 layout_fp, total_len, index, num_parts)`` (``part_header_size``).
 
+Formats 1 and 2 (checksums over the payload alone) are no longer accepted: a reader raises
+``OldFormat`` (a ``CorruptValue``), so such values read as misses and are deleted.
+
 Nothing here copies a payload: ``encode_header`` reads it once for the checksum, and
 ``decode`` returns a ``memoryview`` slice of the value it was given.
+
+xxh3 is not a MAC: whoever can write to Redis can forge a value that passes (see the README's
+security model). The binding stops values being served under a key they were not written at.
 """
 
 from __future__ import annotations
 
+import struct
 from typing import TYPE_CHECKING, NamedTuple
 
 import msgpack
 import xxhash
 
-from remote_tier.errors import CorruptValue
+from remote_tier.errors import CorruptValue, OldFormat
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-FORMAT_VERSION = 1
-SPLIT_FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+SPLIT_FORMAT_VERSION = 4
+OLD_VERSIONS = (1, 2)  # payload-only checksums, before key binding
 MAX_HEADER_BYTES = 256
 CHECKSUM_BYTES = 8
 MAX_PARTS = 4096
@@ -60,15 +72,23 @@ def as_bytes_view(data: Buffer) -> memoryview:
     return view
 
 
-def checksum(payload: Buffer) -> bytes:
-    """The xxh3-64 digest of ``payload``."""
-    return xxhash.xxh3_64_digest(payload)
+def checksum(key_b: bytes, layout_fp: str, payload: Buffer) -> bytes:
+    """The xxh3-64 digest binding ``payload`` to the Redis key ``key_b`` (a split value's
+    head key) and ``layout_fp``: ``len|key|len|fp|payload_len|payload``."""
+    fp_b = layout_fp.encode()
+    view = as_bytes_view(payload)
+    h = xxhash.xxh3_64()
+    h.update(struct.pack(">I", len(key_b)) + key_b + struct.pack(">I", len(fp_b)) + fp_b)
+    h.update(struct.pack(">Q", len(view)))
+    h.update(view)
+    return h.digest()
 
 
-def encode_header(kind: str, layout_fp: str, payload: memoryview) -> bytes:
-    """The header to store in front of ``payload``."""
+def encode_header(key_b: bytes, kind: str, layout_fp: str, payload: memoryview) -> bytes:
+    """The header to store in front of ``payload`` at the Redis key ``key_b``."""
+    digest = checksum(key_b, layout_fp, payload)
     return msgpack.packb(
-        [FORMAT_VERSION, kind, layout_fp, len(payload), checksum(payload)], use_bin_type=True
+        [FORMAT_VERSION, kind, layout_fp, len(payload), digest], use_bin_type=True
     )
 
 
@@ -125,8 +145,12 @@ def read_header(value: memoryview) -> tuple[Header, int]:
         raise CorruptValue("header is not a 5-field array")
     version = fields[0]
     want = _NUM_FIELDS.get(version) if _is_count(version) else None
+    if version in OLD_VERSIONS and _is_count(version):
+        raise OldFormat(f"format version {version} (before key binding)")
     if want is None:
-        raise CorruptValue(f"format version {version!r}, expected 1 or 2")
+        raise CorruptValue(
+            f"format version {version!r}, expected {FORMAT_VERSION} or {SPLIT_FORMAT_VERSION}"
+        )
     if len(fields) != want:
         raise CorruptValue(f"header is not a {want}-field array (format version {version})")
     _, kind, layout_fp, payload_len, digest, *split = fields
@@ -153,8 +177,11 @@ def _is_count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def verify(header: Header, payload: memoryview, *, kind: str, layout_fp: str) -> None:
-    """Check a whole value's header against what the key promises and against its payload."""
+def verify(
+    header: Header, payload: memoryview, *, key_b: bytes, kind: str, layout_fp: str
+) -> None:
+    """Check a whole value's header against what its key ``key_b`` promises and its checksum
+    against the key and payload."""
     if header.version != FORMAT_VERSION:
         raise CorruptValue(f"part {header.part} of {header.num_parts}, not a whole value")
     if header.kind != kind:
@@ -163,21 +190,21 @@ def verify(header: Header, payload: memoryview, *, kind: str, layout_fp: str) ->
         raise CorruptValue(f"layout fingerprint {header.layout_fp!r}, key says {layout_fp!r}")
     if header.payload_len != len(payload):
         raise CorruptValue(f"payload is {len(payload)} bytes, header says {header.payload_len}")
-    if checksum(payload) != header.checksum:
-        raise CorruptValue("payload checksum mismatch")
+    if checksum(key_b, layout_fp, payload) != header.checksum:
+        raise CorruptValue("checksum mismatch (payload, or a value stored under another key)")
 
 
-def decode(value: Buffer, *, kind: str, layout_fp: str) -> memoryview:
-    """The payload of a stored value (a view into it), after every check passes."""
+def decode(value: Buffer, *, key_b: bytes, kind: str, layout_fp: str) -> memoryview:
+    """The payload of the value stored at ``key_b`` (a view into it), after every check."""
     view = as_bytes_view(value)
     header, size = read_header(view)
     payload = view[size:]
-    verify(header, payload, kind=kind, layout_fp=layout_fp)
+    verify(header, payload, key_b=key_b, kind=kind, layout_fp=layout_fp)
     return payload
 
 
-def encode(kind: str, layout_fp: str, payload: Buffer) -> bytes:
-    """The whole value as one ``bytes`` (tests and tools; the store sends header and payload
-    separately and never joins them)."""
+def encode(key_b: bytes, kind: str, layout_fp: str, payload: Buffer) -> bytes:
+    """The whole value to store at ``key_b`` as one ``bytes`` (tests and tools; the store
+    sends header and payload separately and never joins them)."""
     view = as_bytes_view(payload)
-    return encode_header(kind, layout_fp, view) + view.tobytes()
+    return encode_header(key_b, kind, layout_fp, view) + view.tobytes()

@@ -86,7 +86,9 @@ async def test_part_sizes_headers_and_ttl(server: RedisServer) -> None:
     for i, key in enumerate(keys):
         value = memoryview(client.get(key))
         header, size = wire.read_header(value)
-        assert header == wire.Header(2, "kv", "fp1", len(payload), wire.checksum(payload), i, 4)
+        digest = wire.checksum(_key(1).encode(), "fp1", payload)
+        version = wire.SPLIT_FORMAT_VERSION
+        assert header == wire.Header(version, "kv", "fp1", len(payload), digest, i, 4)
         assert size == wire.part_header_size("kv", "fp1", len(payload), i, 4)
         assert value[size:].tobytes() == payload[spans[i][0] : spans[i][1]]
         assert 0 < client.pttl(key) <= 30_000

@@ -178,23 +178,25 @@ async def test_misuse_raises_named_errors(tier: RedisTier) -> None:
         await tier.exists_prefix(["nope"])
 
 
-def _corruptions(payload: bytes) -> dict[str, bytes]:
-    good = wire.encode("kv", "fp1", payload)
+def _corruptions(payload: bytes, key: str) -> dict[str, bytes]:
+    key_b = key.encode()
+    good = wire.encode(key_b, "kv", "fp1", payload)
     size = wire.header_size("kv", "fp1", len(payload))
     flipped = bytearray(good)
     flipped[-1] ^= 0xFF
+    digest = wire.checksum(key_b, "fp1", payload)
     return {
         "garbage_header": b"\xc1\xc1" + good[2:],
         "truncated_header": good[:3],
         "truncated_payload": good[:-7],
         "extra_bytes": good + b"!",
         "bad_checksum": bytes(flipped),
-        "wrong_layout_fp": wire.encode("kv", "fp2", payload),
-        "wrong_kind": wire.encode("swa", "fp1", payload),
-        "wrong_version": msgpack.packb([9, "kv", "fp1", len(payload), wire.checksum(payload)])
-        + payload,
+        "wrong_layout_fp": wire.encode(key_b, "kv", "fp2", payload),
+        "wrong_kind": wire.encode(key_b, "swa", "fp1", payload),
+        "wrong_version": msgpack.packb([9, "kv", "fp1", len(payload), digest]) + payload,
         "empty": b"",
         "header_only": good[:size],
+        "another_keys_value": wire.encode(b"t:fp1:00000000000000ff:kv", "kv", "fp1", payload),
     }
 
 
@@ -203,22 +205,71 @@ async def test_corrupt_values_are_misses_and_deleted(
     tier: RedisTier, server: RedisServer, into: bool
 ) -> None:
     payload = os.urandom(300_000)
-    cases = _corruptions(payload)
-    keys = [_key(i) for i in range(len(cases))]
+    names = list(_corruptions(b"", _key(0)))
+    keys = [_key(i) for i in range(len(names))]
     client = _sync(server)
-    for key, value in zip(keys, cases.values(), strict=False):
-        client.set(key, value)
+    for key, name in zip(keys, names, strict=True):
+        client.set(key, _corruptions(payload, key)[name])
     good_key = _key(99)
     await tier.put_many([(good_key, payload)])
     outs = [bytearray(len(payload)) for _ in range(len(keys) + 1)] if into else None
     got = await tier.get_many([*keys, good_key], outs)
-    assert got[:-1] == [None] * len(cases)
+    assert got[:-1] == [None] * len(names)
     assert got[-1] is not None and got[-1].tobytes() == payload
     assert sum(client.exists(k) for k in keys) == 0, "corrupt values must be deleted"
     assert client.exists(good_key) == 1
     stats = tier.stats()
-    assert stats.num_corrupt_deleted == len(cases)
-    assert stats.errors["corrupt"] == len(cases)
+    assert stats.num_corrupt_deleted == len(names)
+    assert stats.errors["corrupt"] == len(names)
+
+
+@pytest.mark.parametrize("size", [1000, 5 * 4096 + 3])
+async def test_a_value_copied_under_another_key_is_a_miss(server: RedisServer, size: int) -> None:
+    """Issue 14 (4): whole and split values, envelope and raw keys, copied byte for byte
+    (every part) under another key are misses there and deleted; the original still reads."""
+    config = RemoteTierConfig(url=server.url, key_prefix="t", chunk_bytes=4096)
+    client = _sync(server)
+    payload = os.urandom(size)
+    for src, dst in [(_key(1), _key(2)), ("t:raw:a/x", "t:raw:b/x")]:
+        async with RedisTier(config) as tier:
+            assert await tier.put_many([(src, payload)]) == [True]
+            num = wire.num_parts(size, 4096)
+            for i in range(num):
+                suffix = "" if i == 0 else f" #{i}"
+                client.set(dst + suffix, client.get(src + suffix))
+            assert await tier.get_many([dst]) == [None]
+            (got,) = await tier.get_many([src])
+            assert got is not None and got.tobytes() == payload
+            assert client.exists(dst) == 0
+            assert tier.stats().errors["corrupt"] == 1
+
+
+async def test_values_in_the_old_format_are_misses(tier: RedisTier, server: RedisServer) -> None:
+    old = msgpack.packb([1, "kv", "fp1", 5, bytes(8)], use_bin_type=True) + b"hello"
+    _sync(server).set(_key(1), old)
+    assert await tier.get_many([_key(1)]) == [None]
+    assert tier.stats().errors == {"old_format": 1}
+    assert _sync(server).exists(_key(1)) == 0
+
+
+async def test_wrong_redis_types_are_counted_logged_and_deleted(
+    tier: RedisTier, server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 14 (7): a LIST / HASH at a key of the tier was a silent miss."""
+    client = _sync(server)
+    client.rpush(_key(1), b"x")
+    client.hset(_key(2), "f", b"v")
+    client.rpush("t:raw:k", b"x")
+    await tier.put_many([(_key(3), b"fine")])
+    with caplog.at_level("WARNING", logger="remote_tier.stats"):
+        got = await tier.get_many([_key(1), _key(2), _key(3), _key(4), "t:raw:k"])
+        assert [g if g is None else g.tobytes() for g in got] == [None, None, b"fine", None, None]
+        assert tier.stats().errors == {"wrongtype": 3}
+        await tier.get_many([_key(1)])  # deleted: a plain miss now
+    assert tier.stats().errors == {"wrongtype": 3}
+    lines = [r.getMessage() for r in caplog.records if "wrongtype" in r.getMessage()]
+    assert len(lines) == 2, lines  # once per key class (kv, raw), not once per key
+    assert client.exists(_key(1), _key(2), "t:raw:k") == 0
 
 
 async def test_prefixes_and_layouts_are_isolated(server: RedisServer) -> None:

@@ -7,18 +7,20 @@ import numpy as np
 import pytest
 
 from remote_tier import wire
-from remote_tier.errors import CorruptValue
+from remote_tier.errors import CorruptValue, OldFormat
+
+KEY = b"t:fp1:0123456789abcdef:kv"
 
 
-def _value(payload: bytes, *, kind: str = "kv", fp: str = "fp1") -> bytes:
-    return wire.encode(kind, fp, payload)
+def _value(payload: bytes, *, kind: str = "kv", fp: str = "fp1", key: bytes = KEY) -> bytes:
+    return wire.encode(key, kind, fp, payload)
 
 
 @pytest.mark.parametrize("size", [0, 1, 255, 4096, 1 << 20])
 def test_round_trip_is_bytes_identical(size: int) -> None:
     payload = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
     value = _value(payload)
-    got = wire.decode(value, kind="kv", layout_fp="fp1")
+    got = wire.decode(value, key_b=KEY, kind="kv", layout_fp="fp1")
     assert isinstance(got, memoryview)
     assert got.tobytes() == payload
     assert len(value) == wire.header_size("kv", "fp1", size) + size
@@ -26,21 +28,24 @@ def test_round_trip_is_bytes_identical(size: int) -> None:
 
 def test_decode_returns_a_view_not_a_copy() -> None:
     value = bytearray(_value(b"abcdef"))
-    got = wire.decode(value, kind="kv", layout_fp="fp1")
+    got = wire.decode(value, key_b=KEY, kind="kv", layout_fp="fp1")
     value[-1] = ord("z")
     assert got.tobytes() == b"abcdez"
 
 
 def test_accepts_any_contiguous_buffer() -> None:
     arr = np.arange(64, dtype=np.uint32)
-    value = wire.encode("state", "fp", arr)
-    assert wire.decode(memoryview(value), kind="state", layout_fp="fp").tobytes() == arr.tobytes()
+    value = wire.encode(KEY, "state", "fp", arr)
+    got = wire.decode(memoryview(value), key_b=KEY, kind="state", layout_fp="fp")
+    assert got.tobytes() == arr.tobytes()
     with pytest.raises(ValueError, match="contiguous"):
         wire.as_bytes_view(arr.reshape(8, 8)[:, ::2])
 
 
 def test_header_size_does_not_depend_on_checksum() -> None:
-    sizes = {len(wire.encode_header("kv", "fp", memoryview(bytes([i]) * 100))) for i in range(50)}
+    sizes = {
+        len(wire.encode_header(KEY, "kv", "fp", memoryview(bytes([i]) * 100))) for i in range(50)
+    }
     assert sizes == {wire.header_size("kv", "fp", 100)}
 
 
@@ -49,7 +54,8 @@ def _header(*fields: object) -> bytes:
 
 
 GOOD = b"payload!"
-SUM = wire.checksum(GOOD)
+SUM = wire.checksum(KEY, "fp1", GOOD)
+V, S = wire.FORMAT_VERSION, wire.SPLIT_FORMAT_VERSION
 
 
 @pytest.mark.parametrize(
@@ -58,30 +64,48 @@ SUM = wire.checksum(GOOD)
         (b"", "unreadable"),
         (b"\xc1" + GOOD, "unreadable"),  # 0xc1 is never valid msgpack
         (b"\x95\x01", "unreadable"),  # truncated header
-        (_header(1, "kv", "fp1", len(GOOD)) + GOOD, "5-field"),
+        (_header(V, "kv", "fp1", len(GOOD)) + GOOD, "5-field"),
         (msgpack.packb({"v": 1}) + GOOD, "5-field"),
-        (_header(2, "kv", "fp1", len(GOOD), SUM) + GOOD, "version"),
-        (_header(1, 7, "fp1", len(GOOD), SUM) + GOOD, "strings"),
-        (_header(1, "kv", "fp1", -1, SUM) + GOOD, "length"),
-        (_header(1, "kv", "fp1", len(GOOD), SUM[:4]) + GOOD, "checksum field"),
-        (_header(1, "swa", "fp1", len(GOOD), SUM) + GOOD, "kind"),
-        (_header(1, "kv", "fp2", len(GOOD), SUM) + GOOD, "layout fingerprint"),
-        (_header(1, "kv", "fp1", len(GOOD), SUM) + GOOD[:-1], "payload is 7 bytes"),
-        (_header(1, "kv", "fp1", len(GOOD), SUM) + GOOD + b"x", "payload is 9 bytes"),
-        (_header(1, "kv", "fp1", len(GOOD), SUM) + b"paylo4d!", "checksum mismatch"),
+        (_header(S, "kv", "fp1", len(GOOD), SUM) + GOOD, "7-field"),
+        (_header(V, 7, "fp1", len(GOOD), SUM) + GOOD, "strings"),
+        (_header(V, "kv", "fp1", -1, SUM) + GOOD, "length"),
+        (_header(V, "kv", "fp1", len(GOOD), SUM[:4]) + GOOD, "checksum field"),
+        (_header(V, "swa", "fp1", len(GOOD), SUM) + GOOD, "kind"),
+        (_header(V, "kv", "fp2", len(GOOD), SUM) + GOOD, "layout fingerprint"),
+        (_header(V, "kv", "fp1", len(GOOD), SUM) + GOOD[:-1], "payload is 7 bytes"),
+        (_header(V, "kv", "fp1", len(GOOD), SUM) + GOOD + b"x", "payload is 9 bytes"),
+        (_header(V, "kv", "fp1", len(GOOD), SUM) + b"paylo4d!", "checksum mismatch"),
+        (_header(9, "kv", "fp1", len(GOOD), SUM) + GOOD, "version 9"),
     ],
 )
 def test_every_bad_value_is_rejected(value: bytes, reason: str) -> None:
     with pytest.raises(CorruptValue, match=reason):
-        wire.decode(value, kind="kv", layout_fp="fp1")
+        wire.decode(value, key_b=KEY, kind="kv", layout_fp="fp1")
 
 
 def test_good_header_built_by_hand_is_accepted() -> None:
-    value = _header(1, "kv", "fp1", len(GOOD), SUM) + GOOD
-    assert wire.decode(value, kind="kv", layout_fp="fp1").tobytes() == GOOD
+    value = _header(V, "kv", "fp1", len(GOOD), SUM) + GOOD
+    assert wire.decode(value, key_b=KEY, kind="kv", layout_fp="fp1").tobytes() == GOOD
 
 
-# -- split values (format 2) ----------------------------------------------------------------------
+def test_checksum_binds_the_key_and_layout_fingerprint() -> None:
+    other = b"t:fp1:fedcba9876543210:kv"
+    value = _value(GOOD)
+    with pytest.raises(CorruptValue, match="another key"):
+        wire.decode(value, key_b=other, kind="kv", layout_fp="fp1")
+    assert len({SUM, wire.checksum(other, "fp1", GOOD), wire.checksum(KEY, "fp2", GOOD)}) == 3
+    # length prefixes: moving a byte between key and fingerprint changes the digest
+    assert wire.checksum(b"ab", "c", GOOD) != wire.checksum(b"a", "bc", GOOD)
+
+
+@pytest.mark.parametrize("version", wire.OLD_VERSIONS)
+def test_values_before_key_binding_are_old_format(version: int) -> None:
+    fields = [version, "kv", "fp1", len(GOOD), SUM] + ([0, 2] if version == 2 else [])
+    with pytest.raises(OldFormat, match=f"format version {version}"):
+        wire.decode(_header(*fields) + GOOD, key_b=KEY, kind="kv", layout_fp="fp1")
+
+
+# -- split values (format 4) ----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("chunk", [4096, 5000, 1 << 16])
@@ -99,13 +123,13 @@ def test_parts_cover_the_payload_in_near_equal_spans(chunk: int) -> None:
 
 
 def test_part_header_round_trip_and_size() -> None:
-    digest = wire.checksum(b"whole payload")
+    digest = wire.checksum(KEY, "fp1", b"whole payload")
     for index, num in [(0, 2), (1, 2), (127, 200), (128, 200), (4095, 4096)]:
         header = wire.encode_part_header("kv", "fp1", 10**9, digest, index, num)
         assert len(header) == wire.part_header_size("kv", "fp1", 10**9, index, num)
         assert len(header) <= wire.MAX_HEADER_BYTES
         got, size = wire.read_header(memoryview(header + b"body"))
-        assert got == wire.Header(2, "kv", "fp1", 10**9, digest, index, num) and size == len(header)
+        assert got == wire.Header(S, "kv", "fp1", 10**9, digest, index, num) and size == len(header)
     sizes = {
         len(wire.encode_part_header("kv", "fp", 5000, bytes([i]) * 8, 1, 3)) for i in range(50)
     }
@@ -115,14 +139,14 @@ def test_part_header_round_trip_and_size() -> None:
 @pytest.mark.parametrize(
     ("fields", "reason"),
     [
-        ((2, "kv", "fp1", 9000, SUM, 0), "7-field"),
-        ((2, "kv", "fp1", 9000, SUM, 0, 1), "part count"),
-        ((2, "kv", "fp1", 9000, SUM, 0, 4097), "part count"),
-        ((2, "kv", "fp1", 9000, SUM, 0, True), "part count"),
-        ((2, "kv", "fp1", 9000, SUM, 3, 3), "part index"),
-        ((2, "kv", "fp1", 9000, SUM, -1, 3), "part index"),
-        ((2, "kv", "fp1", 3, SUM, 0, 4), "cannot fill"),
-        ((2, "kv", "fp1", -5, SUM, 0, 2), "length"),
+        ((S, "kv", "fp1", 9000, SUM, 0), "7-field"),
+        ((S, "kv", "fp1", 9000, SUM, 0, 1), "part count"),
+        ((S, "kv", "fp1", 9000, SUM, 0, 4097), "part count"),
+        ((S, "kv", "fp1", 9000, SUM, 0, True), "part count"),
+        ((S, "kv", "fp1", 9000, SUM, 3, 3), "part index"),
+        ((S, "kv", "fp1", 9000, SUM, -1, 3), "part index"),
+        ((S, "kv", "fp1", 3, SUM, 0, 4), "cannot fill"),
+        ((S, "kv", "fp1", -5, SUM, 0, 2), "length"),
     ],
 )
 def test_bad_part_headers_are_rejected(fields: tuple[object, ...], reason: str) -> None:
@@ -133,4 +157,4 @@ def test_bad_part_headers_are_rejected(fields: tuple[object, ...], reason: str) 
 def test_a_part_is_not_a_whole_value() -> None:
     value = wire.encode_part_header("kv", "fp1", 2 * len(GOOD), SUM, 0, 2) + GOOD
     with pytest.raises(CorruptValue, match="not a whole value"):
-        wire.decode(value, kind="kv", layout_fp="fp1")
+        wire.decode(value, key_b=KEY, kind="kv", layout_fp="fp1")
