@@ -73,8 +73,9 @@ def check_sizes(env: Envelope | None, raw: int, aligned: int) -> None:
 # --- presets against hand arithmetic --------------------------------------------------------
 
 
-def test_preset_names_cover_the_three_models() -> None:
-    assert {"qwen3-next-80b-a3b", "nemotron-h-8b", "gpt-oss-20b"} <= set(preset_names())
+def test_preset_names_cover_the_five_models() -> None:
+    assert {"qwen3-next-80b-a3b", "nemotron-h-8b", "gpt-oss-20b", "nemotron-nano-9b-v2",
+            "falcon-h1-1.5b"} <= set(preset_names())
 
 
 def test_qwen3_next_preset_sizes() -> None:
@@ -124,6 +125,38 @@ def test_gpt_oss_preset_sizes() -> None:
     assert layout.sliding_window == 128
     assert layout.swa_window_pages() == 2  # 128 / 64
     assert load_preset("gpt-oss-20b", page_size=48).swa_window_pages() == 3  # ceil(128 / 48)
+
+
+def test_nemotron_nano_9b_v2_preset_sizes() -> None:
+    layout = load_preset("nemotron-nano-9b-v2")
+    assert layout.full_layers == (14, 21, 30, 39)  # the four '*' of the pattern
+    assert len(layout.recurrent_layers) == 27  # its 'M's; the 25 '-' keep nothing
+    # 64 tokens x 4 attention layers x (K, V) x 8 kv heads x 128 head dim x bf16
+    kv = 64 * 4 * 2 * 8 * 128 * BF16
+    check_sizes(layout.kv, kv, kv)
+    assert kv == 1_048_576
+    # per Mamba2 layer: conv (128*80 + 2*8*128) x 3 in bf16, SSM 128 x 80 x 128 in fp32
+    conv = (128 * 80 + 2 * 8 * 128) * 3 * BF16
+    ssm = 128 * 80 * 128 * F32
+    check_sizes(layout.state, 27 * (conv + ssm), 27 * (conv + ssm))
+    assert 27 * (conv + ssm) == 143_548_416
+
+
+def test_falcon_h1_preset_sizes() -> None:
+    layout = load_preset("falcon-h1-1.5b")
+    # every layer runs attention and Mamba2 side by side: each keeps KV *and* state
+    assert layout.full_layers == layout.recurrent_layers == tuple(range(24))
+    # 64 tokens x 24 layers x (K, V) x 2 kv heads x 128 head dim x bf16
+    kv = 64 * 24 * 2 * 2 * 128 * BF16
+    check_sizes(layout.kv, kv, kv)
+    assert kv == 1_572_864
+    # per layer: conv (48*64 + 2*1*256) x 3 in bf16, SSM 48 x 64 x 256 in fp32
+    conv = (48 * 64 + 2 * 1 * 256) * 3 * BF16
+    ssm = 48 * 64 * 256 * F32
+    check_sizes(layout.state, 24 * (conv + ssm), 24 * (conv + ssm))
+    assert 24 * (conv + ssm) == 76_013_568
+    assert layout.state is not None
+    assert layout.state.field("conv.23").shape == (3584, 3)
 
 
 def test_preset_overrides_and_unknown_name() -> None:
@@ -421,3 +454,122 @@ def test_load_config_reads_and_rejects(tmp_path: Path) -> None:
     path.write_text("{not json")
     with pytest.raises(LayoutError, match="JSON"):
         load_config(path)
+
+
+# --- every transformers hybrid, in the spellings its configs use ------------------------------
+
+MAMBA2_N = {  # Granite-4.0-H / Bamba / Falcon-H1 field names
+    "num_key_value_heads": 2, "hidden_size": 32, "num_attention_heads": 4,
+    "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_n_groups": 2, "mamba_d_state": 8,
+    "mamba_d_conv": 4, "mamba_expand": 2,
+}
+
+
+def recurrent_shapes(layout: ModelLayout) -> dict[str, tuple[int, ...]]:
+    assert layout.state is not None
+    return {f.name: f.shape for f in layout.state.fields}
+
+
+@pytest.mark.parametrize("spelling", [
+    {"layers_block_type": ["linear_attention", "mlp", "full_attention", "moe"]},  # transformers 5
+    {"layers_block_type": ["mamba", "mlp", "attention", "moe"]},  # hub config.json
+    {"hybrid_override_pattern": "M-*E"},
+])
+def test_nemotron_h_spellings_agree(spelling: dict[str, Any]) -> None:
+    config = {k: v for k, v in mamba_config().items() if k != "hybrid_override_pattern"}
+    layout = layout_from_config({**config, **spelling})
+    assert layout.full_layers == (2,) and layout.recurrent_layers == (0,)
+    assert recurrent_shapes(layout) == {"conv.0": (4 * 3 + 2 * 2 * 5, 3), "ssm.0": (4, 3, 5)}
+
+
+@pytest.mark.parametrize("types", [["mamba", "attention", "mamba"],  # hub
+                                   ["linear_attention", "full_attention", "linear_attention"]])
+def test_granite_4_h_layer_types(types: list[str]) -> None:
+    layout = layout_from_config({"model_type": "granitemoehybrid", "layer_types": types,
+                                 **MAMBA2_N})
+    assert layout.full_layers == (1,) and layout.recurrent_layers == (0, 2)
+    # conv 4*16 + 2*2*8 channels, kernel 4 - 1; SSM heads x head dim x state
+    assert recurrent_shapes(layout)["conv.2"] == (96, 3)
+    assert recurrent_shapes(layout)["ssm.2"] == (4, 16, 8)
+    default = layout_from_config({"model_type": "granitemoehybrid", "num_hidden_layers": 2,
+                                  **MAMBA2_N})
+    assert default.recurrent_layers == (0, 1) and default.kv is None
+
+
+def test_bamba_attention_indices_and_auto_head_dim() -> None:
+    config = {"model_type": "bamba", "num_hidden_layers": 4, "attn_layer_indices": [1, 3],
+              **MAMBA2_N, "mamba_d_head": "auto"}
+    layout = layout_from_config(config)
+    assert layout.full_layers == (1, 3) and layout.recurrent_layers == (0, 2)
+    assert recurrent_shapes(layout)["ssm.0"] == (4, 2 * 32 // 4, 8)  # expand*hidden / heads
+
+
+def test_falcon_h1_every_layer_keeps_kv_and_state() -> None:
+    layout = layout_from_config({"model_type": "falcon_h1", "num_hidden_layers": 3,
+                                 "head_dim": 8, **MAMBA2_N, "mamba_d_ssm": 64})
+    assert layout.full_layers == layout.recurrent_layers == (0, 1, 2)
+    assert layout.kv is not None and layout.kv.field("k.2").shape == (64, 2, 8)
+    listed = layout_from_config({"model_type": "falcon_h1", "head_dim": 8, **MAMBA2_N,
+                                 "layers_block_type": ["hybrid", "hybrid"]})
+    assert listed.full_layers == listed.recurrent_layers == (0, 1)
+
+
+def test_jamba_mamba1_state() -> None:
+    config = {"model_type": "jamba", "num_hidden_layers": 4, "attn_layer_period": 2,
+              "attn_layer_offset": 1, "hidden_size": 32, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "mamba_expand": 2, "mamba_d_state": 8,
+              "mamba_d_conv": 4}
+    layout = layout_from_config(config)
+    assert layout.full_layers == (1, 3) and layout.recurrent_layers == (0, 2)
+    # Mamba-1: conv (expand * hidden, kernel - 1), SSM (expand * hidden, d_state)
+    assert recurrent_shapes(layout) == {"conv.0": (64, 3), "ssm.0": (64, 8),
+                                        "conv.2": (64, 3), "ssm.2": (64, 8)}
+    assert layout_from_config(config, tp_size=2).state.field("ssm.0").shape == (32, 8)  # type: ignore[union-attr]
+
+
+def test_lfm2_short_conv_keeps_only_conv_state() -> None:
+    base = {"model_type": "lfm2", "num_hidden_layers": 3, "hidden_size": 32,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "conv_L_cache": 3}
+    for spelling in ({"full_attn_idxs": [1]},
+                     {"layer_types": ["conv", "full_attention", "conv"]}):
+        layout = layout_from_config({**base, **spelling})
+        assert layout.full_layers == (1,) and layout.recurrent_layers == (0, 2)
+        assert recurrent_shapes(layout) == {"conv.0": (32, 2), "conv.2": (32, 2)}
+        # (32 x 2) bf16 = 128 bytes, then the next field 16-aligned: 256 in all
+        check_sizes(layout.state, 256, 256)
+
+
+def test_qwen3_5_text_config_and_defaults() -> None:
+    text = {**_preset_config("qwen3-next-80b-a3b"), "model_type": "qwen3_5_text",
+            "num_hidden_layers": 8}
+    del text["name"], text["source"]
+    layout = layout_from_config({"model_type": "qwen3_5", "text_config": text})
+    assert layout.full_layers == (3, 7)
+    assert recurrent_shapes(layout)["ssm.0"] == (32, 128, 128)
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"model_type": "kimi_linear", "layer_types": ["linear_attention"]},
+         "'model_type' = 'kimi_linear'"),
+        (tiny_config(layer_types=["chunked_attention"], num_hidden_layers=1),
+         "'chunked_attention'"),
+        ({"model_type": "bamba", "num_hidden_layers": 2, "attn_layer_indices": [5], **MAMBA2_N},
+         "'attn_layer_indices' = [5]"),
+        ({"model_type": "jamba", "num_hidden_layers": 2, "attn_layer_period": 2},
+         "'attn_layer_offset' = None"),
+        ({"model_type": "lfm2", "num_hidden_layers": 1, "layer_types": ["conv"],
+          "hidden_size": 8}, "'conv_L_cache' is missing"),
+        ({"model_type": "granitemoehybrid", "layer_types": ["mamba"],
+          **{k: v for k, v in MAMBA2_N.items() if k != "mamba_d_state"}},
+         "'mamba_d_state' is missing"),
+        ({"model_type": "bamba", "num_hidden_layers": 1, "attn_layer_indices": [],
+          **MAMBA2_N, "mamba_d_head": "auto", "mamba_n_heads": 5},
+         "'mamba_d_head' = 'auto'"),
+        ({"model_type": "nemotron_h", "hybrid_override_pattern": "M-X*"}, "'X'"),
+    ],
+)
+def test_hybrid_rejections_name_the_key(config: dict[str, Any], message: str) -> None:
+    with pytest.raises(LayoutError, match=re.escape(message)):
+        layout_from_config(config)
