@@ -27,15 +27,17 @@ class ByteSlots:
     the lowest range that fits is split. Not thread-safe."""
 
     def __init__(self, capacity: int) -> None:
-        if capacity < ALIGN:
-            raise SlotError(f"capacity must be at least {ALIGN} B, got {capacity}")
-        self.capacity = capacity // ALIGN * ALIGN
+        if capacity < 0:
+            raise SlotError(f"capacity must be >= 0, got {capacity}")
+        self.capacity = capacity // ALIGN * ALIGN  # under one unit: nothing ever fits
         self._used: dict[int, int] = {}  # start -> size
-        self._free: dict[int, int] = {0: self.capacity}  # start -> size
-        self._free_end: dict[int, int] = {self.capacity: 0}  # end -> start
-        self._starts: list[int] = [0]  # sorted starts of free ranges
-        self._bins: dict[int, set[int]] = {self.capacity: {0}}  # size -> starts
+        self._free: dict[int, int] = {}  # start -> size
+        self._free_end: dict[int, int] = {}  # end -> start
+        self._starts: list[int] = []  # sorted starts of free ranges
+        self._bins: dict[int, set[int]] = {}  # size -> starts
         self.used_bytes = 0
+        if self.capacity:
+            self._put(0, self.capacity)
 
     @property
     def free_bytes(self) -> int:

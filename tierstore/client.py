@@ -131,6 +131,11 @@ class AsyncClient:
             return False
 
     # ------------------------------------------------------------------ transport
+    async def call(self, path: str, body: dict[str, Any]) -> Any:
+        """POST ``body`` (msgpack) to ``path``; the decoded answer, with the retries and errors
+        of every method (for transports built on this client, e.g. shared memory)."""
+        return await self._post(path, body)
+
     async def _post(self, path: str, body: dict[str, Any]) -> Any:
         return await self._request("POST", path, msgpack.packb(body, use_bin_type=True))
 

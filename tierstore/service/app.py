@@ -42,6 +42,7 @@ from tierstore.service.config import ServiceConfig
 from tierstore.service.kv import BadKeyError, KeyValueStore
 from tierstore.service.leases import LeaseTable
 from tierstore.service.metrics import Metrics
+from tierstore.service.shm import ShmRoutes
 from tierstore.store import TierStore
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,8 @@ class Service:
         self.store = store
         self.config = config
         self.kv_remote = kv_remote
-        self.kv = KeyValueStore(config.kv_host_bytes, None)
+        self.kv = KeyValueStore(config.kv_host_bytes, None, ttl_s=config.lease_ttl_s,
+                                shared=config.shm)
         self.leases = LeaseTable(config.lease_ttl_s)
         self.metrics = Metrics()
         self.requests: Counter[str] = Counter()
@@ -94,6 +96,7 @@ class Service:
         app.router.add_post("/v1/storage/batch_exists", self.batch_exists)
         app.router.add_post("/v1/storage/delete", self.delete)
         app.cleanup_ctx.append(self._lifecycle)
+        ShmRoutes(self).register(app)
         return app
 
     async def _lifecycle(self, app: web.Application) -> AsyncIterator[None]:
@@ -105,8 +108,7 @@ class Service:
                  "on" if self.store.remote else "off")
         yield
         reaper.cancel()
-        if self.kv.remote is not None:
-            await self.kv.remote.aclose()
+        await self.kv.aclose()
         await self.run(self.store.close)
         self._executor.shutdown(wait=True)
 
@@ -321,8 +323,11 @@ class Service:
 
     async def batch_get(self, request: web.Request) -> web.StreamResponse:
         keys = self._keys(await read_body(request))
-        values = await self.kv.batch_get(keys)  # immutable bytes: stream them as they are
-        return await _stream(request, msgpack_chunks({"values": values}))
+        values, release = await self.kv.read(keys)  # pinned host ranges: stream, then release
+        try:
+            return await _stream(request, msgpack_chunks({"values": values}))
+        finally:
+            release()
 
     async def batch_exists(self, request: web.Request) -> web.Response:
         body = await read_body(request)

@@ -12,7 +12,8 @@ class ServiceConfig:
     ``max_body_bytes`` replaces aiohttp's 1 MiB default (envelopes are MiBs each);
     ``max_tokens`` bounds one request's tokens and ``max_batch`` the pages / keys of one batch;
     a match that locks its prefix holds a lease for ``lease_ttl_s`` unless released sooner;
-    ``kv_host_bytes`` bounds the key-addressed storage's host copy (Redis holds the rest).
+    ``kv_host_bytes`` bounds the key-addressed storage's host copy (Redis holds the rest),
+    kept in a shared-memory segment that same-host clients map unless ``shm`` is off.
     """
 
     host: str = "127.0.0.1"
@@ -24,6 +25,7 @@ class ServiceConfig:
     lease_ttl_s: float = 30.0
     kv_host_bytes: int = 1 << 30
     kv_namespace: str = "kv"
+    shm: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -1,0 +1,122 @@
+"""Same-host storage API: control calls over HTTP, bytes through the shared segment.
+
+A client that authenticated over HTTP asks ``/v1/shm/attach`` for the segment's name and
+nonce and maps it (it proves the mapping is this service's memory by the nonce, i.e. that it
+runs on the same host). Then:
+
+- ``/v1/storage/shm_get`` pins the values of its keys under a read lease and answers
+  ``[offset, length]`` per key (bytes inline for a value Redis had that host memory cannot
+  take, nil for a miss); the client copies, then ``/v1/storage/shm_release`` ends the lease
+  (``released: false`` means it expired first and the copy must be discarded);
+- ``/v1/storage/shm_reserve`` holds unpublished ranges; the client copies into them;
+  ``/v1/storage/shm_commit`` makes them visible (and writes them through to Redis), or
+  ``/v1/storage/shm_abort`` returns them. An uncommitted reservation is reclaimed after the
+  lease TTL: a client that dies between reserve and commit leaves nothing visible.
+
+Leases and reservations expire after ``--lease-ttl`` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+from aiohttp import web
+
+from tierstore.service.codec import MSGPACK, HTTPError, field, read_body
+from tierstore.service.kv_host import Value
+
+if TYPE_CHECKING:
+    from tierstore.service.app import Service
+
+log = logging.getLogger(__name__)
+
+
+class ShmRoutes:
+    """The ``/v1/shm/*`` and ``/v1/storage/shm_*`` handlers of one service."""
+
+    def __init__(self, service: Service) -> None:
+        self.service = service
+        self.kv = service.kv
+
+    def register(self, app: web.Application) -> None:
+        """Add the routes and the task that expires leases and reservations."""
+        app.router.add_post("/v1/shm/attach", self.attach)
+        app.router.add_post("/v1/storage/shm_get", self.get)
+        app.router.add_post("/v1/storage/shm_release", self.release)
+        app.router.add_post("/v1/storage/shm_reserve", self.reserve)
+        app.router.add_post("/v1/storage/shm_commit", self.commit)
+        app.router.add_post("/v1/storage/shm_abort", self.abort)
+        app.cleanup_ctx.append(self._reaper)
+
+    async def _reaper(self, app: web.Application) -> AsyncIterator[None]:
+        async def loop() -> None:
+            while True:
+                await asyncio.sleep(min(1.0, self.service.config.lease_ttl_s / 4))
+                leases, reservations = self.kv.host.expire()
+                if leases or reservations:
+                    log.info("expired %d shared-memory leases, %d reservations", leases,
+                             reservations)
+
+        task = asyncio.create_task(loop())
+        yield
+        task.cancel()
+
+    async def attach(self, request: web.Request) -> web.Response:
+        segment = self.kv.host.segment
+        if segment is None:
+            raise HTTPError(503, "shm_unavailable", "this service keeps values in private "
+                                                    "memory (no usable /dev/shm): use HTTP")
+        return _msgpack({"segments": {"kv": {"name": segment.name, "nonce": segment.nonce,
+                                             "nbytes": segment.nbytes}},
+                         "lease_ttl_s": self.service.config.lease_ttl_s})
+
+    async def get(self, request: web.Request) -> web.Response:
+        self._check()
+        keys = self.service._keys(await read_body(request))
+        found = await self.kv.lookup(keys)
+        pinned = [v for v in found if isinstance(v, Value)]
+        lease = self.kv.host.lease(pinned) if pinned else None
+        values = [[v.start, v.length] if isinstance(v, Value) else v for v in found]
+        return _msgpack({"lease": lease, "values": values})
+
+    async def release(self, request: web.Request) -> web.Response:
+        lease = field(await read_body(request), "lease", str)
+        return web.json_response({"released": self.kv.host.end_lease(lease)})
+
+    async def reserve(self, request: web.Request) -> web.Response:
+        self._check()
+        body = await read_body(request)
+        keys = self.service._keys(body)
+        sizes = field(body, "sizes", list)
+        if len(sizes) != len(keys) or not all(type(n) is int and n >= 0 for n in sizes):
+            raise HTTPError(422, "wrong_shape", f"{len(keys)} keys need as many sizes "
+                                                f"(non-negative ints), got {len(sizes)}")
+        res_id, values = self.kv.reserve(keys, sizes)
+        return _msgpack({"reservation": res_id,
+                         "slots": [None if v is None else [v.start, v.length]
+                                   for v in values]})
+
+    async def commit(self, request: web.Request) -> web.Response:
+        res_id = field(await read_body(request), "reservation", str)
+        stored = await self.kv.commit(res_id)
+        if stored is None:
+            raise HTTPError(404, "unknown_reservation", f"reservation {res_id:.24} is not held "
+                            f"(committed, aborted, or expired after "
+                            f"{self.service.config.lease_ttl_s} s)")
+        return web.json_response({"stored": stored})
+
+    async def abort(self, request: web.Request) -> web.Response:
+        res_id = field(await read_body(request), "reservation", str)
+        return web.json_response({"aborted": self.kv.abort(res_id)})
+
+    def _check(self) -> None:
+        if self.kv.host.segment is None:
+            raise HTTPError(503, "shm_unavailable", "no shared segment on this service")
+
+
+def _msgpack(payload: dict[str, Any]) -> web.Response:
+    return web.Response(body=msgpack.packb(payload, use_bin_type=True), content_type=MSGPACK)

@@ -1,0 +1,167 @@
+"""Same-host transport for the storage API: bytes move through the service's shared segment.
+
+Control calls (attach, lease, reserve, commit) go over HTTP through a :class:`Client`; the
+bytes are copied by the calling thread between the mapped segment and the caller's buffers, so
+many threads copy at once and the service never touches them. Only a client on the service's
+host can attach (it must map the segment and find the service's nonce in it); elsewhere, or
+when the service has no segment, :func:`open_transport` answers None and callers use HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import torch
+
+from host_tier.shm import SharedSegment, ShmError
+from tierstore.client import Client, ServiceError
+
+log = logging.getLogger(__name__)
+
+Transport = Literal["auto", "shm", "http"]
+Sink = Callable[[int, torch.Tensor], bool]
+Source = Callable[[int, torch.Tensor], None]
+
+
+class ShmUnavailable(RuntimeError):
+    """Shared memory cannot be used with this service (another host, no segment, refused)."""
+
+
+class LeaseExpired(RuntimeError):
+    """A read lease ended before the copy did: the bytes copied under it are not trusted."""
+
+
+class SharedMemoryTransport:
+    """The storage API of one service through its shared segment (see ``service/shm.py``).
+
+    Thread-safe: every call is independent (one HTTP request at a time per control step).
+    """
+
+    def __init__(self, client: Client, segment: SharedSegment) -> None:
+        self.client = client
+        self.segment = segment
+
+    @classmethod
+    def attach(cls, client: Client) -> SharedMemoryTransport:
+        """Map the service's segment; ShmUnavailable when that is not possible from here."""
+        try:
+            reply = client.call("/v1/shm/attach", {})
+            info = reply["segments"]["kv"]
+            segment = SharedSegment.attach(str(info["name"]), bytes(info["nonce"]),
+                                           int(info["nbytes"]))
+        except ServiceError as exc:
+            raise ShmUnavailable(f"the service refused shared memory: {exc}") from exc
+        except (ShmError, KeyError, TypeError) as exc:
+            raise ShmUnavailable(f"cannot map the service's segment: {exc}") from exc
+        except (OSError, asyncio.TimeoutError) as exc:  # the service is unreachable
+            raise ShmUnavailable(f"cannot reach the service: {exc}") from exc
+        return cls(client, segment)
+
+    # ------------------------------------------------------------------ reads
+    def get_into(self, keys: Sequence[str], namespace: str, sink: Sink) -> list[bool]:
+        """Per key found, ``sink(i, view)`` with the value as a ``uint8`` tensor (a view of
+        the segment, valid only during the call; it copies what it keeps and answers whether
+        it took the value). Per key whether it was found and taken. LeaseExpired when the
+        service had ended the read lease before the copies finished."""
+        reply = self.client.call("/v1/storage/shm_get", {"keys": list(keys),
+                                                         "namespace": namespace})
+        buf = self.segment.tensor
+        taken = [False] * len(keys)
+        try:
+            for i, item in enumerate(reply["values"]):
+                if item is None:
+                    continue
+                if isinstance(item, bytes):  # a Redis value host memory could not take
+                    view = torch.frombuffer(bytearray(item), dtype=torch.uint8)
+                else:
+                    start, length = int(item[0]), int(item[1])
+                    view = buf[start:start + length]
+                taken[i] = bool(sink(i, view))
+        finally:
+            lease = reply["lease"]
+            released = lease is None or self.client.call(
+                "/v1/storage/shm_release", {"lease": lease})["released"]
+        if not released:
+            raise LeaseExpired(f"read lease of {len(keys)} keys expired before the copy ended")
+        return taken
+
+    def batch_get(self, keys: Sequence[str], namespace: str = "default"
+                  ) -> list[bytes | None]:
+        """Values of ``keys`` as bytes (None where missing)."""
+        out: list[bytes | None] = [None] * len(keys)
+
+        def keep(i: int, view: torch.Tensor) -> bool:
+            out[i] = view.numpy().tobytes()
+            return True
+
+        self.get_into(keys, namespace, keep)
+        return out
+
+    # ------------------------------------------------------------------ writes
+    def put_from(self, keys: Sequence[str], sizes: Sequence[int], namespace: str,
+                 source: Source) -> list[bool]:
+        """Reserve ranges for values of ``sizes``, let ``source(i, view)`` fill each (a
+        ``uint8`` view of exactly ``sizes[i]`` bytes), then commit; per key whether the
+        service holds it now. A key whose range could not be reserved is False (send it over
+        HTTP). If ``source`` raises, the reservation is aborted and nothing becomes visible."""
+        reply = self.client.call("/v1/storage/shm_reserve", {
+            "keys": list(keys), "sizes": [int(n) for n in sizes], "namespace": namespace})
+        res_id, buf = reply["reservation"], self.segment.tensor
+        try:
+            for i, slot in enumerate(reply["slots"]):
+                if slot is not None:
+                    start, length = int(slot[0]), int(slot[1])
+                    source(i, buf[start:start + length])
+        except BaseException:
+            self.client.call("/v1/storage/shm_abort", {"reservation": res_id})
+            raise
+        stored = self.client.call("/v1/storage/shm_commit", {"reservation": res_id})["stored"]
+        return [bool(s) for s in stored]
+
+    def batch_set(self, keys: Sequence[str], values: Sequence[Any],
+                  namespace: str = "default") -> list[bool]:
+        """Store bytes-like values (or CPU tensors) under ``keys``; per key whether stored."""
+        flat = [_as_bytes(v) for v in values]
+
+        def fill(i: int, view: torch.Tensor) -> None:
+            view.copy_(flat[i])
+
+        return self.put_from(keys, [t.numel() for t in flat], namespace, fill)
+
+    def close(self) -> None:
+        """Unmap the segment (the service keeps it)."""
+        self.segment.close()
+
+
+def _as_bytes(value: Any) -> torch.Tensor:
+    """A flat ``uint8`` tensor over ``value``'s bytes (no copy for contiguous CPU tensors)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
+    view = memoryview(value).cast("B")
+    if not view.nbytes:
+        return torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():  # read-only bytes: only ever read through this tensor
+        warnings.simplefilter("ignore")
+        return torch.frombuffer(view, dtype=torch.uint8)
+
+
+def open_transport(client: Client, mode: Transport = "auto") -> SharedMemoryTransport | None:
+    """The shared-memory transport for ``client``'s service, or None to use HTTP: ``http``
+    never tries, ``auto`` tries and falls back (one log line), ``shm`` raises ShmUnavailable
+    when it cannot attach."""
+    if mode == "http":
+        return None
+    try:
+        transport = SharedMemoryTransport.attach(client)
+    except ShmUnavailable as exc:
+        if mode == "shm":
+            raise
+        log.info("tierstore: HTTP transport (%s)", exc)
+        return None
+    log.info("tierstore: shared-memory transport (segment %.1f MiB)",
+             transport.segment.nbytes / 2**20)
+    return transport
