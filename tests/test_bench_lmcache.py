@@ -34,7 +34,7 @@ def test_driver_rejects_size_off_the_chunk_grid() -> None:
 
 
 def test_bench_redis_lmcache_off(
-    redis_bin: str, capsys: pytest.CaptureFixture[str]
+    redis_benchmark: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert main(["bench", "redis", "--sizes", "4K", "--total-mb", "1", "--keyspace-mb", "1",
                  "--rounds", "1", "--lmcache-python", "", "--json"]) == 0
@@ -46,7 +46,7 @@ def test_bench_redis_lmcache_off(
 
 
 def test_bench_redis_lmcache_absent(
-    redis_bin: str, tmp_path: object, capsys: pytest.CaptureFixture[str]
+    redis_benchmark: str, tmp_path: object, capsys: pytest.CaptureFixture[str]
 ) -> None:
     missing = f"{tmp_path}/no-venv/bin/python"
     assert main(["bench", "redis", "--sizes", "4K", "--total-mb", "1", "--keyspace-mb", "1",
@@ -58,7 +58,7 @@ def test_bench_redis_lmcache_absent(
 
 
 def test_bench_redis_lmcache_not_importable(
-    redis_bin: str, capsys: pytest.CaptureFixture[str]
+    redis_benchmark: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # With a Python that has no lmcache, the driver says so and the bench reports it.
     if importlib.util.find_spec("lmcache") is not None:
@@ -72,7 +72,7 @@ def test_bench_redis_lmcache_not_importable(
 
 
 @pytest.mark.skipif(not os.path.exists(bench_redis._LMCACHE_PYTHON), reason="no LMCache venv")
-def test_bench_redis_with_lmcache(redis_bin: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_redis_with_lmcache(redis_benchmark: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "redis", "--sizes", "4K", "--total-mb", "1", "--keyspace-mb", "1",
                  "--rounds", "1", "--lmcache-python", bench_redis._LMCACHE_PYTHON,
                  "--json"]) == 0

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -30,6 +32,17 @@ def test_bench_arena_json(capsys: pytest.CaptureFixture[str]) -> None:
     c = result["concurrency"]
     assert c["arena"] >= c["best_fixed"] * 0.98 and c["arena"] >= c["misset_fixed"]
     assert result["compaction"][0]["moved_mib"] == 1
+
+
+def test_python_m_tierstore_is_the_cli() -> None:
+    """``python -m tierstore`` parses and runs like the ``tierstore`` command."""
+    done = subprocess.run([sys.executable, "-m", "tierstore", "bench", "--help"],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: tierstore bench") and "retention" in done.stdout
+    done = subprocess.run([sys.executable, "-m", "tierstore", "no-such-command"],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2 and "invalid choice" in done.stderr
 
 
 def test_demo_runs(capsys: pytest.CaptureFixture[str]) -> None:

