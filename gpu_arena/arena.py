@@ -366,7 +366,7 @@ class Arena:
     def _direct(self, p: Pool, n: int) -> torch.Tensor | None:
         """Slots for ``n`` new blocks from holes and the adjacent gap, growing the band; ``None``
         (nothing changed) when they do not fit without moving blocks."""
-        holes = p.holes()[:n]
+        holes = p.nearest_holes(n)
         need = n - holes.numel()
         if need == 0:
             return holes
@@ -417,6 +417,7 @@ class Arena:
             self._move(p, outside, free[: outside.numel()])
         p.lo, p.hi = lo, hi  # every occupied slot is inside now; trim to the occupied hull
         p.trim()
+        p.rebuild_holes()
 
     def _pack(self, p: Pool, budget: int) -> int:
         """Move up to ``budget`` movable blocks from the inner edge into holes nearer the anchor."""

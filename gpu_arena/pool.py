@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import heapq
+
 import torch
 
 from gpu_arena.spec import IntegrityError, PoolSpec
@@ -44,6 +46,11 @@ class Pool:
         self.changed: list[torch.Tensor] | None = None
         self.num_changed = 0
         self.fenced_refs = 0  # (slot, fence) pairs pending: 0 lets hot paths skip fence checks
+        # Slots that may be holes, as a heap nearest the anchor first (negated for the high
+        # anchor). Every hole is in it; stale entries (taken, fenced, outside the band,
+        # repeated) are dropped when they surface, so finding n holes costs O(n log h), not a
+        # scan of the band.
+        self._hole_heap: list[int] = []
 
     # ----------------------------------------------------------------- queries
     @property
@@ -71,11 +78,55 @@ class Pool:
         return live | self.fenced(lo, hi) if self.fenced_refs else live
 
     def holes(self) -> torch.Tensor:
-        """Reusable slots of the band, nearest the anchor first."""
+        """Every reusable slot of the band, nearest the anchor first (a scan of the band)."""
         if self.num_holes == 0:
             return torch.empty(0, dtype=_LONG)
         idx = torch.nonzero(~self.occupied(self.lo, self.hi)).flatten() + self.lo
         return idx.flip(0) if self.anchor == "high" else idx
+
+    def nearest_holes(self, n: int) -> torch.Tensor:
+        """The (up to) ``n`` reusable slots nearest the anchor, in that order: the first ``n``
+        of :meth:`holes`, found from the hole heap without scanning the band. Changes no
+        table."""
+        n = min(n, self.num_holes)
+        if n == 0:
+            return torch.empty(0, dtype=_LONG)
+        heap, sign = self._hole_heap, -1 if self.anchor == "high" else 1
+        found: list[int] = []
+        seen: set[int] = set()
+        while len(found) < n and heap:
+            batch: list[int] = []
+            while heap and len(batch) < n - len(found):
+                slot = sign * heapq.heappop(heap)
+                if slot not in seen:
+                    seen.add(slot)
+                    batch.append(slot)
+            t = torch.tensor(batch, dtype=_LONG)
+            inside = (t >= self.lo) & (t < self.hi)
+            ok = inside & (self.owner[t] < 0)
+            if self.fenced_refs:
+                ok &= ~self._fenced_at(t)
+            found += t[ok].tolist()
+        for slot in found:  # still holes until the caller takes them: stale entries then
+            heapq.heappush(heap, sign * slot)
+        assert len(found) == n, f"pool {self.name}: hole heap found {len(found)} of {n} holes"
+        return torch.tensor(found, dtype=_LONG)
+
+    def _add_holes(self, slots: torch.Tensor) -> None:
+        """Remember ``slots`` as possible holes (validated when they surface)."""
+        heap = self._hole_heap
+        if len(heap) > 4 * (self.num_holes + slots.numel()) + 4096:
+            self.rebuild_holes()  # mostly stale: start again from the band (amortised O(1))
+            return
+        sign = -1 if self.anchor == "high" else 1
+        for slot in slots.tolist():
+            heapq.heappush(heap, sign * slot)
+
+    def rebuild_holes(self) -> None:
+        """Reset the hole heap from a scan of the band (after compaction re-cuts the band)."""
+        sign = -1 if self.anchor == "high" else 1
+        self._hole_heap = [sign * s for s in self.holes().tolist()]
+        heapq.heapify(self._hole_heap)
 
     def pins(self) -> tuple[int, int] | None:
         """Lowest and highest slot holding a fence (such slots cannot move), or None."""
@@ -124,6 +175,7 @@ class Pool:
         self._log(ids)
         if self.fenced_refs:
             self.num_pending += int(self._fenced_at(slots).sum())
+        self._add_holes(slots)
         return slots
 
     def relink(self, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -136,6 +188,7 @@ class Pool:
             self.num_pending += int(self._fenced_at(src).sum())
         self.moves += src.numel()
         self._log(ids)
+        self._add_holes(src)
 
     def start_log(self) -> None:
         """Start (or restart) logging which ids' ``loc`` entries change, for :meth:`patch`."""
@@ -174,6 +227,8 @@ class Pool:
         self.fenced_refs += delta * slots.numel()
         after = self._fenced_at(slots) & (self.owner[slots] < 0)
         self.num_pending += int(after.sum()) - int(before.sum())
+        if delta < 0:  # a retired fence may leave holes behind
+            self._add_holes(slots[before & ~after])
 
     def _fenced_at(self, slots: torch.Tensor) -> torch.Tensor:
         if not self.fenced_refs:
@@ -237,6 +292,9 @@ class Pool:
         everything = torch.cat([free, live_ids]).sort().values
         _require(bool(torch.equal(everything, torch.arange(self.max_slots))),
                  f"{name}: free ids + live ids are not all ids exactly once")
+        sign = -1 if self.anchor == "high" else 1
+        missing = set(self.holes().tolist()) - {sign * s for s in self._hole_heap}
+        _require(not missing, f"{name}: {len(missing)} holes are not in the hole heap")
         if self.anchor == "low":
             _require(self.lo == 0, f"{name}: low band starts at slot {self.lo}")
         if self.anchor == "high":
