@@ -1,6 +1,8 @@
-"""Eviction: which leaf goes first (a policy) and when to stop (a stopping rule).
+"""Eviction: which leaf goes first (a policy), the per-tier queue of candidates in that order,
+and when to stop (a stopping rule).
 
-Policies order unlocked leaves; the store evicts them one at a time. The stopping rule decides
+Policies order unlocked leaves; each tier's :class:`EvictionQueue` keeps its candidates in that
+order as they change, and the store evicts them one at a time. The stopping rule decides
 when enough is free:
 
 - ``unified``: stop as soon as the arena can place the whole joint demand, counting every byte
@@ -13,10 +15,12 @@ when enough is free:
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Callable, Iterator, Mapping
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
-from tierstore.radix import Node, RadixIndex
+if TYPE_CHECKING:
+    from tierstore.radix import Node, RadixIndex
 
 StopRule = Literal["unified", "per_kind"]
 PolicyName = Literal["lru", "lfu", "priority"]
@@ -72,19 +76,69 @@ def make_policy(name: PolicyName) -> EvictionPolicy:
             from None
 
 
-def victims(
-    index: RadixIndex, policy: EvictionPolicy, holds: Callable[[Node], bool]
-) -> Iterator[Node]:
-    """Nodes to evict from one tier, in policy order: unlocked nodes that hold something in
-    the tier (``holds``) while none of their children do — the tier's leaves. A parent joins
-    once its last holding child is gone. Each candidate is checked again when its turn comes
-    (evictions in between may have changed it); the caller evicts each yielded node before
-    asking for the next."""
-    def candidate(n: Node) -> bool:
-        return (n.lock == 0 and n.parent is not None and holds(n)
-                and not any(holds(c) for c in n.children.values()))
+class EvictionQueue:
+    """One tier's eviction candidates in policy order (smallest ``key`` first).
 
-    heap = [(policy.key(n), n.serial, n) for n in index.nodes() if candidate(n)]
+    A heap with lazy deletion: each node records the stamp of its live entry in
+    ``node.queued[tier - 1]`` (0: not queued); re-keying pushes a new entry and the old one goes
+    stale. Stale entries are dropped when they reach the top, and the heap is rebuilt when
+    they outnumber live ones, so push, discard and peek are O(log n) amortised."""
+
+    def __init__(self, tier: int, key: Callable[[Node], tuple[float, ...]]) -> None:
+        self.tier = tier
+        self.key = key
+        self.size = 0  # live entries
+        self._t = tier - 1
+        self._heap: list[tuple[tuple[float, ...], int, int, Node]] = []
+        self._stamps = itertools.count(1)
+
+    def push(self, node: Node) -> None:
+        """Queue ``node``, or move it to the place its current key says."""
+        if not node.queued[self._t]:
+            self.size += 1
+        stamp = next(self._stamps)
+        node.queued[self._t] = stamp
+        heapq.heappush(self._heap, (self.key(node), node.serial, stamp, node))
+        if len(self._heap) > 2 * self.size + 64:
+            self._heap = self._live()
+            heapq.heapify(self._heap)
+
+    def discard(self, node: Node) -> None:
+        """Take ``node`` off the queue (no-op when it is not on it)."""
+        if node.queued[self._t]:
+            node.queued[self._t] = 0
+            self.size -= 1
+
+    def peek(self) -> Node | None:
+        """The first candidate, or None."""
+        heap, t = self._heap, self._t
+        while heap:
+            _, _, stamp, node = heap[0]
+            if node.queued[t] == stamp:
+                return node
+            heapq.heappop(heap)
+        return None
+
+    def members(self) -> list[Node]:
+        """Every queued node, in no particular order."""
+        return [entry[3] for entry in self._live()]
+
+    def _live(self) -> list[tuple[tuple[float, ...], int, int, Node]]:
+        t = self._t
+        return [e for e in self._heap if e[3].queued[t] == e[2]]
+
+
+def victims(index: RadixIndex, tier: int, accept: Callable[[Node], bool]) -> Iterator[Node]:
+    """Candidates of ``tier`` that ``accept`` admits, in policy order, for sweeps that skip
+    some candidates (idle demotion). Seeded from the tier's queue; a parent joins once its
+    last holding child is gone. Each candidate is checked again when its turn comes; the
+    caller evicts each yielded node before asking for the next. The hot path uses
+    :meth:`RadixIndex.next_victim` instead."""
+    def candidate(n: Node) -> bool:
+        return n.evictable(tier) and accept(n)
+
+    key = index.key
+    heap = [(key(n), n.serial, n) for n in index.queues[tier].members() if accept(n)]  # type: ignore[index]
     heapq.heapify(heap)
     while heap:
         _, _, node = heapq.heappop(heap)
@@ -93,7 +147,14 @@ def victims(
         parent = node.parent
         yield node
         if parent is not None and parent is not index.root and candidate(parent):
-            heapq.heappush(heap, (policy.key(parent), parent.serial, parent))
+            heapq.heappush(heap, (key(parent), parent.serial, parent))
+
+
+def scan_victim(index: RadixIndex, tier: int) -> Node | None:
+    """The first victim of ``tier`` found by scanning every node (the definition the queue
+    must agree with; tests use it as the oracle)."""
+    found = [n for n in index.nodes() if n.evictable(tier)]
+    return min(found, key=lambda n: (index.key(n), n.serial)) if found else None
 
 
 class StopCondition:

@@ -38,29 +38,31 @@ def as_tokens(tokens: object) -> np.ndarray:
     """Token ids as a 1-D little-endian uint32 array (no copy when already one).
 
     Accepts a sequence of ints, a numpy integer array, a torch integer tensor, or packed
-    little-endian uint32 ``bytes``; raises TokenError for anything else or out-of-range ids."""
+    little-endian uint32 ``bytes``; raises TokenError for anything else or out-of-range ids.
+    One conversion and one range check for the whole array: no per-token Python work."""
     if isinstance(tokens, (bytes, bytearray, memoryview)):
         raw = memoryview(tokens).cast("B")
         if raw.nbytes % 4:
             raise TokenError(f"packed tokens need a multiple of 4 bytes, got {raw.nbytes}")
         return np.frombuffer(raw, dtype="<u4")
     if isinstance(tokens, torch.Tensor):
-        tokens = tokens.detach().cpu().numpy()
-    if isinstance(tokens, np.ndarray):
+        arr = tokens.detach().cpu().numpy()
+    elif isinstance(tokens, np.ndarray):
         arr = tokens
     elif isinstance(tokens, Sequence) and not isinstance(tokens, str):
-        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in tokens):
-            bad = next(t for t in tokens
-                       if not isinstance(t, (int, np.integer)) or isinstance(t, bool))
-            raise TokenError(f"token ids must be ints, got {type(bad).__name__} {bad!r}")
-        arr = np.asarray(tokens, dtype=np.int64) if tokens else np.zeros(0, dtype=np.int64)
+        try:
+            arr = np.asarray(tokens) if len(tokens) else np.zeros(0, dtype=np.uint32)
+        except (ValueError, TypeError, OverflowError) as exc:
+            raise TokenError(f"token ids must be a flat sequence of ints ({exc})") from None
     else:
         raise TokenError(f"token ids must be a sequence of ints, got {type(tokens).__name__}")
-    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
         raise TokenError(f"token ids must be a 1-D integer array, got {arr.dtype} {arr.shape}")
+    if arr.dtype == np.uint32:
+        return arr.astype("<u4", copy=False)
     if arr.size and (int(arr.min()) < 0 or int(arr.max()) > _UINT32_MAX):
         raise TokenError(f"token ids must be in [0, 2**32), got range [{arr.min()}, {arr.max()}]")
-    return arr.astype("<u4", copy=False)
+    return arr.astype("<u4")
 
 
 class PageHasher:

@@ -1,52 +1,79 @@
-"""Radix prefix index at page granularity.
+"""Radix prefix index at page granularity, with typed per-tier residency.
 
-A node owns a run of pages (chained page keys) and, per page and per tier, where its ``kv`` and
-``swa`` envelopes live: L1 and L2 virtual ids (-1: absent), and for L3 a presence flag (1 / -1;
-the Redis key derives from the page key). An absent ``swa`` page beside a present ``kv`` page is
-a *tombstone*. A recurrent-state checkpoint exists only at a node's end, again per tier. Locks
-propagate to the root, so a locked node's ancestors are locked too. The index only records
-where things are; it never frees or copies blocks: the store decides.
+A node owns a run of pages (chained page keys) and, per tier and kind, where each page's
+envelope lives: L1 and L2 virtual ids, and for L3 a presence flag (the Redis key derives from
+the page key); ``ABSENT`` (-1) where a tier does not hold it. An absent ``swa`` page beside a
+present ``kv`` page is a *tombstone*. A recurrent-state checkpoint exists only at a node's end,
+again per tier. Locks propagate to the root, so a locked node's ancestors are locked too.
+
+Every residency change goes through the index (:meth:`RadixIndex.set`,
+:meth:`RadixIndex.clear`), which keeps per-node counts (entries held per tier, children
+holding something per tier) and, per tier, the queue of eviction candidates: unlocked nodes
+that hold something in the tier while none of their children do. So "does this node hold
+anything in tier t" is O(1) and the next victim is O(log n). The index records; the store
+decides and frees.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from enum import IntEnum
 
 from gpu_arena import IntegrityError
+from tierstore.eviction import EvictionQueue
 
 _serial = itertools.count()
 
+ABSENT = -1
 PAGE_KINDS = ("kv", "swa")
-TIERS = (1, 2, 3)
-# Per-page columns: L1 ids keep the short names.
-COLUMNS = tuple(k if t == 1 else f"{k}{t}" for t in TIERS for k in PAGE_KINDS)
+CHECKPOINT = "state"
 
 
-@dataclass(eq=False)
+class Tier(IntEnum):
+    """Where an entry lives: the device arena, the host arena, Redis."""
+
+    L1 = 1
+    L2 = 2
+    L3 = 3
+
+
+TIERS = (Tier.L1, Tier.L2, Tier.L3)
+Key = Callable[["Node"], tuple[float, ...]]
+
+
 class Node:
-    """A run of pages; ``depth`` counts the pages above it (its first page's position)."""
+    """A run of pages; ``depth`` counts the pages above it (its first page's position).
 
-    parent: Node | None
-    depth: int
-    keys: list[bytes] = field(default_factory=list)
-    kv: list[int] = field(default_factory=list)  # L1 ids
-    swa: list[int] = field(default_factory=list)
-    kv2: list[int] = field(default_factory=list)  # L2 ids
-    swa2: list[int] = field(default_factory=list)
-    kv3: list[int] = field(default_factory=list)  # L3: 1 present, -1 absent
-    swa3: list[int] = field(default_factory=list)
-    state: int = -1  # checkpoint at this node's end: L1 id, -1 when none
-    state2: int = -1  # L2 id
-    state3: int = -1  # L3: 1 present
-    children: dict[bytes, Node] = field(default_factory=dict)
-    lock: int = 0
-    last_use: float = 0.0  # logical clock: orders LRU deterministically
-    used_at: float = 0.0  # wall clock (time.monotonic), for idle demotion
-    hits: int = 0
-    priority: int = 0
-    serial: int = field(default_factory=lambda: next(_serial))  # creation order: ties broken
+    Residency is read with :meth:`ids` / :meth:`checkpoint` / :meth:`holds` and changed only
+    through the index."""
+
+    __slots__ = ("_child_held", "_held", "_pages", "_state", "children", "depth", "hits",
+                 "keys", "last_use", "lock", "parent", "priority", "queued", "serial",
+                 "used_at")
+
+    def __init__(self, parent: Node | None, depth: int, keys: list[bytes] | None = None) -> None:
+        self.parent = parent
+        self.depth = depth
+        self.keys: list[bytes] = keys if keys is not None else []
+        n = len(self.keys)
+        # [tier - 1][kind] -> per-page entries; [tier - 1] -> checkpoint entry
+        self._pages: tuple[dict[str, list[int]], ...] = tuple(
+            {k: [ABSENT] * n for k in PAGE_KINDS} for _ in TIERS)
+        self._state = [ABSENT] * len(TIERS)
+        self._held = [0] * len(TIERS)  # entries >= 0 per tier
+        self._child_held = [0] * len(TIERS)  # children holding anything, per tier
+        self.queued = [0] * len(TIERS)  # the eviction queue's stamp per tier (0: not queued)
+        self.children: dict[bytes, Node] = {}
+        self.lock = 0
+        self.last_use = 0.0  # logical clock: orders LRU deterministically
+        self.used_at = 0.0  # wall clock (time.monotonic), for idle demotion
+        self.hits = 0
+        self.priority = 0
+        self.serial = next(_serial)  # creation order: ties broken
+
+    def __repr__(self) -> str:
+        return f"Node(depth={self.depth}, pages={len(self.keys)}, held={self._held})"
 
     @property
     def end(self) -> int:
@@ -56,62 +83,150 @@ class Node:
     def is_leaf(self) -> bool:
         return not self.children and self.parent is not None
 
-    def col(self, kind: str, tier: int) -> list[int]:
-        """Per-page column of ``kind`` ("kv" / "swa") in ``tier`` (1, 2, 3)."""
-        return getattr(self, kind if tier == 1 else f"{kind}{tier}")  # type: ignore[no-any-return,unused-ignore]
+    def ids(self, tier: int, kind: str) -> Sequence[int]:
+        """Per-page entries of ``kind`` ("kv" / "swa") in ``tier`` (read only)."""
+        return self._pages[tier - 1][kind]
 
     def checkpoint(self, tier: int) -> int:
-        """The checkpoint entry at this node's end in ``tier`` (-1: none)."""
-        return self.state if tier == 1 else self.state2 if tier == 2 else self.state3
+        """The checkpoint entry at this node's end in ``tier`` (ABSENT: none)."""
+        return self._state[tier - 1]
 
-    def set_checkpoint(self, tier: int, value: int) -> None:
-        setattr(self, "state" if tier == 1 else f"state{tier}", value)
+    def entry(self, tier: int, kind: str, j: int) -> int:
+        """Page ``j``'s entry of ``kind``, or the checkpoint when ``kind`` is "state"."""
+        return self._state[tier - 1] if kind == CHECKPOINT else self._pages[tier - 1][kind][j]
 
     def holds(self, tier: int) -> bool:
-        """Whether anything of this node lives in ``tier``."""
-        return self.checkpoint(tier) >= 0 or any(
-            v >= 0 for kind in PAGE_KINDS for v in self.col(kind, tier))
+        """Whether anything of this node lives in ``tier``. O(1)."""
+        return self._held[tier - 1] > 0
 
     def holds_any(self) -> bool:
-        return any(self.holds(t) for t in TIERS)
+        return any(self._held)
+
+    def evictable(self, tier: int) -> bool:
+        """An eviction candidate of ``tier``: unlocked, holds something there, and no child
+        does (the tier's leaves)."""
+        t = tier - 1
+        return (self.lock == 0 and self.parent is not None and self._held[t] > 0
+                and self._child_held[t] == 0)
 
 
-@dataclass(frozen=True)
 class Segment:
     """``pages`` pages matched at the start of ``node``."""
 
-    node: Node
-    pages: int
+    __slots__ = ("node", "pages")
+
+    def __init__(self, node: Node, pages: int) -> None:
+        self.node = node
+        self.pages = pages
+
+    def __repr__(self) -> str:
+        return f"Segment({self.node!r}, {self.pages})"
 
 
 class RadixIndex:
-    """The tree. Every mutation keeps :meth:`check_integrity` true."""
+    """The tree. Every mutation keeps :meth:`check_integrity` true; ``key`` orders eviction
+    candidates (the policy's key: the smallest goes first)."""
 
-    def __init__(self) -> None:
+    def __init__(self, key: Key) -> None:
         self.root = Node(parent=None, depth=0)
         self.num_nodes = 0
         self.num_pages = 0
+        self.key = key
+        self.queues = {t: EvictionQueue(t, key) for t in TIERS}
 
     # ------------------------------------------------------------------ lookup
-    def walk(self, keys: list[bytes]) -> list[Segment]:
+    def walk(self, keys: Sequence[bytes]) -> list[Segment]:
         """The longest run of ``keys`` present in the tree, as segments along one path.
         Changes nothing."""
         path: list[Segment] = []
-        node, pos = self.root, 0
-        while pos < len(keys):
+        node, pos, total = self.root, 0, len(keys)
+        while pos < total:
             child = node.children.get(keys[pos])
             if child is None:
                 break
-            n = 0
-            limit = min(len(child.keys), len(keys) - pos)
-            while n < limit and child.keys[n] == keys[pos + n]:
+            ck = child.keys
+            limit = min(len(ck), total - pos)
+            n = 1
+            while n < limit and ck[n] == keys[pos + n]:
                 n += 1
             path.append(Segment(child, n))
             pos += n
-            if n < len(child.keys):
+            if n < len(ck):
                 break
             node = child
         return path
+
+    def next_victim(self, tier: int) -> Node | None:
+        """The eviction candidate of ``tier`` that the policy evicts first, or None. Changes
+        nothing: the caller evicts it (which takes it off the queue) before asking again."""
+        return self.queues[Tier(tier)].peek()
+
+    # ---------------------------------------------------------------- residency
+    def set(self, node: Node, tier: int, kind: str, j: int, value: int) -> None:
+        """Record page ``j``'s entry of ``kind`` in ``tier`` (the checkpoint when ``kind`` is
+        "state"; ``j`` is then ignored); ABSENT removes it."""
+        t = tier - 1
+        if kind == CHECKPOINT:
+            old = node._state[t]
+            node._state[t] = value
+        else:
+            column = node._pages[t][kind]
+            old = column[j]
+            column[j] = value
+        delta = (value >= 0) - (old >= 0)
+        if delta:
+            self._count(node, t, delta)
+
+    def set_many(self, node: Node, tier: int, kind: str, js: Sequence[int],
+                 values: Sequence[int]) -> None:
+        """:meth:`set` for several pages of one node."""
+        column = node._pages[tier - 1][kind]
+        delta = 0
+        for j, v in zip(js, values, strict=True):
+            delta += (v >= 0) - (column[j] >= 0)
+            column[j] = v
+        if delta:
+            self._count(node, tier - 1, delta)
+
+    def clear(self, node: Node, tier: int) -> dict[str, list[int]]:
+        """Remove every entry ``node`` has in ``tier``; the removed entries per kind (the
+        checkpoint under "state")."""
+        t = tier - 1
+        out: dict[str, list[int]] = {}
+        for kind, column in node._pages[t].items():
+            out[kind] = [v for v in column if v >= 0]
+            if out[kind]:
+                column[:] = [ABSENT] * len(column)
+        sid = node._state[t]
+        out[CHECKPOINT] = [sid] if sid >= 0 else []
+        node._state[t] = ABSENT
+        if node._held[t]:
+            self._count(node, t, -node._held[t])
+        return out
+
+    def _count(self, node: Node, t: int, delta: int) -> None:
+        before = node._held[t] > 0
+        node._held[t] += delta
+        assert node._held[t] >= 0, "held count went negative"
+        if (node._held[t] > 0) != before:
+            parent = node.parent
+            if parent is not None:
+                parent._child_held[t] += 1 if not before else -1
+                self._refresh(parent, t)
+        self._refresh(node, t)
+
+    def _refresh(self, node: Node, t: int) -> None:
+        """Put ``node`` on / take it off tier ``t``'s eviction queue as its eligibility says."""
+        queue = self.queues[TIERS[t]]
+        if node.evictable(t + 1):
+            if not node.queued[t]:
+                queue.push(node)
+        elif node.queued[t]:
+            queue.discard(node)
+
+    def _refresh_all(self, node: Node) -> None:
+        for t in range(len(TIERS)):
+            self._refresh(node, t)
 
     # ---------------------------------------------------------------- mutation
     def split(self, node: Node, pages: int) -> Node:
@@ -120,19 +235,29 @@ class RadixIndex:
         assert 0 < pages < len(node.keys), f"split at {pages} of {len(node.keys)} pages"
         parent = node.parent
         assert parent is not None
-        upper = Node(parent=parent, depth=node.depth, keys=node.keys[:pages], lock=node.lock,
-                     last_use=node.last_use, used_at=node.used_at, hits=node.hits,
-                     priority=node.priority)
-        for name in COLUMNS:
-            column = getattr(node, name)
-            setattr(upper, name, column[:pages])
-            setattr(node, name, column[pages:])
+        upper = Node(parent, node.depth, node.keys[:pages])
+        upper.lock, upper.last_use, upper.used_at = node.lock, node.last_use, node.used_at
+        upper.hits, upper.priority = node.hits, node.priority
+        held_before = list(node._held)
+        for t in range(len(TIERS)):
+            for kind, column in node._pages[t].items():
+                upper._pages[t][kind] = column[:pages]
+                node._pages[t][kind] = column[pages:]
+            up = sum(v >= 0 for col in upper._pages[t].values() for v in col)
+            upper._held[t] = up
+            node._held[t] -= up
+            upper._child_held[t] = int(node._held[t] > 0)
         parent.children[upper.keys[0]] = upper
         node.keys = node.keys[pages:]
         node.depth += pages
         node.parent = upper
         upper.children[node.keys[0]] = node
         self.num_nodes += 1
+        for t in range(len(TIERS)):  # the parent's child is now `upper`
+            parent._child_held[t] += int(upper._held[t] > 0) - int(held_before[t] > 0)
+            self._refresh(parent, t)
+        self._refresh_all(upper)
+        self._refresh_all(node)
         return upper
 
     def node_ending_at(self, path: list[Segment]) -> Node:
@@ -145,25 +270,25 @@ class RadixIndex:
             return self.split(last.node, last.pages)
         return last.node
 
-    def extend(self, parent: Node, keys: list[bytes], **columns: list[int]) -> Node:
+    def extend(self, parent: Node, keys: list[bytes], entries: dict[str, list[int]] | None
+               = None, tier: int = Tier.L1) -> Node:
         """Hang a new leaf with ``keys`` under ``parent`` (which has no child for keys[0]);
-        ``columns`` (e.g. ``kv=[...]``) default to absent."""
+        ``entries`` ({kind: per-page entries}) are its residency in ``tier``."""
         assert keys and keys[0] not in parent.children, "extend needs a fresh branch"
-        leaf = Node(parent=parent, depth=parent.end, keys=list(keys),
-                    last_use=parent.last_use, priority=parent.priority)
-        for name in COLUMNS:
-            values = columns.pop(name, None)
-            assert values is None or len(values) == len(keys), f"{name}: length differs"
-            setattr(leaf, name, list(values) if values is not None else [-1] * len(keys))
-        assert not columns, f"unknown columns {sorted(columns)}"
+        leaf = Node(parent, parent.end, list(keys))
+        leaf.last_use, leaf.priority = parent.last_use, parent.priority
         parent.children[keys[0]] = leaf
         self.num_nodes += 1
         self.num_pages += len(keys)
+        for kind, values in (entries or {}).items():
+            assert len(values) == len(keys), f"{kind}: {len(values)} entries, {len(keys)} pages"
+            self.set_many(leaf, tier, kind, range(len(keys)), values)
         return leaf
 
     def remove_leaf(self, node: Node) -> None:
-        """Detach an unlocked leaf (its ids must have been handed back by the caller)."""
+        """Detach an unlocked leaf that holds nothing (its ids were handed back)."""
         assert node.is_leaf() and node.lock == 0, "only unlocked leaves are removed"
+        assert not node.holds_any(), "a removed leaf must hold nothing"
         parent = node.parent
         assert parent is not None
         del parent.children[node.keys[0]]
@@ -174,20 +299,29 @@ class RadixIndex:
     def lock(self, node: Node, delta: int) -> None:
         """Add ``delta`` (+1 / -1) to the lock count of ``node`` and every ancestor."""
         n: Node | None = node
-        while n is not None and n is not self.root:
+        root = self.root
+        while n is not None and n is not root:
+            was = n.lock
             n.lock += delta
             assert n.lock >= 0, "lock count went negative"
+            if (was == 0) != (n.lock == 0):
+                self._refresh_all(n)
             n = n.parent
 
     def touch(self, node: Node, now: float, priority: int, *, hit: bool, wall: float = 0.0
               ) -> None:
-        """Record a use of the path ending at ``node`` (a ``hit`` when a match served it)."""
+        """Record a use of the path ending at ``node`` (a ``hit`` when a match served it);
+        queued nodes move to their new place in the eviction order."""
         n: Node | None = node
-        while n is not None and n is not self.root:
+        root = self.root
+        while n is not None and n is not root:
             n.last_use = now
             n.used_at = wall
             n.hits += int(hit)
             n.priority = priority
+            for t, stamp in enumerate(n.queued):
+                if stamp:
+                    self.queues[TIERS[t]].push(n)  # a new entry; the old one goes stale
             n = n.parent
 
     # ------------------------------------------------------------------- walks
@@ -209,7 +343,8 @@ class RadixIndex:
         return out[::-1]
 
     def check_integrity(self) -> None:
-        """Raise IntegrityError if the tree's structure or counts are inconsistent."""
+        """Raise IntegrityError if the tree's structure, its counts or the eviction queues are
+        inconsistent (the queues against a full scan of the tree)."""
         nodes = pages = 0
         for n in self.nodes():
             nodes += 1
@@ -219,14 +354,27 @@ class RadixIndex:
                      "node not linked from its parent under its first key")
             assert parent is not None
             _require(n.depth == parent.end, f"depth {n.depth} != parent end {parent.end}")
-            _require(len(n.keys) > 0 and all(len(getattr(n, c)) == len(n.keys) for c in COLUMNS),
+            _require(len(n.keys) > 0 and all(len(col) == len(n.keys) for per in n._pages
+                                             for col in per.values()),
                      f"node of {len(n.keys)} pages has columns of other lengths")
             _require(n.lock >= 0 and all(n.lock >= c.lock for c in n.children.values()),
                      "a child holds more locks than its parent")
             _require(all(k == c.keys[0] for k, c in n.children.items()), "child keyed wrongly")
+            for t in range(len(TIERS)):
+                held = sum(v >= 0 for col in n._pages[t].values() for v in col) \
+                    + (n._state[t] >= 0)
+                _require(held == n._held[t], f"{n!r}: tier {t + 1} holds {held}, counted "
+                                             f"{n._held[t]}")
+                kids = sum(c._held[t] > 0 for c in n.children.values())
+                _require(kids == n._child_held[t], f"{n!r}: {kids} children hold tier {t + 1}, "
+                                                   f"counted {n._child_held[t]}")
         _require(nodes == self.num_nodes and pages == self.num_pages,
                  f"counted {nodes} nodes / {pages} pages, recorded {self.num_nodes} / "
                  f"{self.num_pages}")
+        for tier, queue in self.queues.items():
+            want = {id(n) for n in self.nodes() if n.evictable(tier)}
+            _require({id(n) for n in queue.members()} == want,
+                     f"tier {tier}: the eviction queue disagrees with a scan of the tree")
 
 
 def _require(ok: bool, message: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +41,34 @@ class MatchResult:
     lease: Lease | None
     kv_pages_found: int  # consecutive KV pages present, before the hybrid rule cut
     tiers: dict[str, int] = field(default_factory=dict)  # matched tokens by source tier
+
+
+class PrefixRead:
+    """A matched prefix pinned for reading: ``rows`` holds, per kind, the arena rows of the
+    match (``kv`` one per page; ``swa`` one per page, None for tombstones; ``state`` the
+    checkpoint), read-fenced so compaction cannot move them and leased so eviction cannot free
+    them. :meth:`close` (on the thread that calls the store) ends both; a ``with`` block does
+    it for you."""
+
+    __slots__ = ("_done", "match", "rows")
+
+    def __init__(self, match: MatchResult, rows: dict[str, list[torch.Tensor | None]],
+                 done: Callable[[], None]) -> None:
+        self.match = match
+        self.rows = rows
+        self._done: Callable[[], None] | None = done
+
+    def close(self) -> None:
+        """Release the fences and the lease (once; later calls do nothing)."""
+        done, self._done = self._done, None
+        if done is not None:
+            done()
+
+    def __enter__(self) -> PrefixRead:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 @dataclass(frozen=True)

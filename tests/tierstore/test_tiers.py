@@ -214,10 +214,12 @@ def test_prefetch_policies_never_block_on_a_stalled_redis(redis_url: str, redis_
         assert time.monotonic() < deadline, "L3 did not recover within 5 s"
         time.sleep(0.05)
     if policy == "best_effort":  # the prefetch started by the first match lands meanwhile
-        while s._pending:
+        prefetch = s.mover.prefetch
+        assert prefetch is not None
+        while prefetch.pending:
             assert time.monotonic() < deadline, "prefetch never arrived"
             s.peek(tokens(1))
-            s._pump()
+            prefetch.pump()
             time.sleep(0.02)
     assert_served(s, 1, a)  # Redis is back: the same request hits
     s.close()

@@ -1,0 +1,86 @@
+"""The store's one ledger: who owns which L1 blocks, and the counters of what happened.
+
+L1 blocks are either *cached* (the index names them; the cache frees them) or *handed out*
+(returned by ``allocate`` and not yet inserted or freed; the caller owns them). Every change of
+ownership and every counter goes through here, so ``check_integrity`` can compare one place
+with the arena and the index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from tierstore.errors import ShapeError
+
+DIRECTIONS = ("l1_to_l2", "l1_to_l3", "l2_to_l3", "l2_to_l1", "l3_to_l1", "l3_to_l2")
+HIT_TIERS = ("l1", "l2", "l3")
+
+
+class Ledger:
+    """Ownership of L1 blocks per kind, and the store's counters."""
+
+    def __init__(self, kinds: Iterable[str]) -> None:
+        self.kinds = tuple(kinds)
+        self.cached: dict[str, set[int]] = {k: set() for k in self.kinds}
+        self.handed: dict[str, set[int]] = {k: set() for k in self.kinds}
+        self.requests = self.requests_hit = self.tokens_queried = self.tokens_hit = 0
+        self.evictions = 0
+        self.evicted = dict.fromkeys(self.kinds, 0)
+        self.moved = dict.fromkeys(DIRECTIONS, 0)
+        self.hit_tokens = dict.fromkeys(HIT_TIERS, 0)
+        self.hit_requests = dict.fromkeys((*HIT_TIERS, "miss"), 0)
+
+    # ------------------------------------------------------------------ ownership
+    def hand_out(self, kind: str, ids: Iterable[int]) -> None:
+        """Fresh blocks now belong to a caller."""
+        self.handed[kind].update(ids)
+
+    def take_back(self, kind: str, ids: list[int]) -> None:
+        """A caller returns blocks unused (``free``); ShapeError, changing nothing, unless
+        every id is one the caller holds."""
+        handed = self.handed[kind]
+        foreign = [i for i in ids if i not in handed]
+        if foreign:
+            owner = "the cache" if any(i in self.cached[kind] for i in foreign) else "nobody"
+            raise ShapeError(f"{kind}: {len(foreign)} of {len(ids)} ids are not held by the "
+                             f"caller (they belong to {owner}), first {foreign[0]}")
+        handed.difference_update(ids)
+
+    def adopt(self, kind: str, ids: Iterable[int]) -> None:
+        """Blocks pass to the cache: the caller's (inserted) or fresh ones (promotion)."""
+        ids = list(ids)
+        self.handed[kind].difference_update(ids)
+        self.cached[kind].update(ids)
+
+    def drop(self, kind: str, ids: Iterable[int]) -> None:
+        """Cached blocks leave the cache (evicted, or freed as duplicates)."""
+        self.cached[kind].difference_update(ids)
+
+    def spare(self, kind: str, ids: Iterable[int]) -> None:
+        """Handed-out blocks the cache did not keep (duplicates); they are freed."""
+        self.handed[kind].difference_update(ids)
+
+    # ------------------------------------------------------------------ counters
+    def queried(self, tokens: int) -> None:
+        self.requests += 1
+        self.tokens_queried += tokens
+
+    def hit(self, tokens_by_tier: dict[int, int]) -> None:
+        """A served request: matched tokens per source tier (1, 2, 3)."""
+        self.requests_hit += 1
+        self.tokens_hit += sum(tokens_by_tier.values())
+        for tier, n in tokens_by_tier.items():
+            self.hit_tokens[f"l{tier}"] += n
+        deepest = max((t for t, n in tokens_by_tier.items() if n), default=1)
+        self.hit_requests[f"l{deepest}"] += 1
+
+    def miss(self) -> None:
+        self.hit_requests["miss"] += 1
+
+    def evicted_from_l1(self, freed: dict[str, int]) -> None:
+        self.evictions += 1
+        for kind, n in freed.items():
+            self.evicted[kind] += n
+
+    def move(self, direction: str, nbytes: int) -> None:
+        self.moved[direction] += nbytes
