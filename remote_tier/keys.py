@@ -28,7 +28,7 @@ MAX_KEY_CHARS = 1024
 _TOKEN_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _KIND_RE = re.compile(r"[a-z0-9_]{1,16}")
 _HASH_RE = re.compile(r"[0-9a-f]{8,128}")
-_RAW_RE = re.compile(r"[\x21-\x7e]{1,512}")  # printable ASCII, no space
+_RAW_RE = re.compile(r"[\x21-\x7e]{1,600}")  # printable ASCII, no space
 _ENVELOPE_RE = re.compile(
     r"([A-Za-z0-9._-]{1,64}):([A-Za-z0-9._-]{1,128}):([0-9a-f]{8,128}):([a-z0-9_]{1,16})"
 )
@@ -55,11 +55,11 @@ def envelope_key(prefix: str, layout_fp: str, page_hash_hex: str, kind: str) -> 
 
 
 def raw_key(prefix: str, key: str) -> str:
-    """The Redis key for an engine-supplied key (1-512 printable ASCII characters)."""
+    """The Redis key for an engine-supplied key (1-600 printable ASCII characters)."""
     if not _TOKEN_RE.fullmatch(prefix) or len(prefix) > 64:
         raise BadKey(f"prefix must be 1-64 of [A-Za-z0-9._-], got {prefix!r}")
     if not _RAW_RE.fullmatch(key):
-        raise BadKey(f"raw key must be 1-512 printable ASCII characters, got {key[:80]!r}")
+        raise BadKey(f"raw key must be 1-600 printable ASCII characters, got {key[:80]!r}")
     return f"{prefix}:{RAW_KIND}:{key}"
 
 

@@ -86,7 +86,9 @@ class AsyncClient:
             body["state"] = state
         return await self._post("/v1/insert", body)
 
-    async def release(self, lease: int) -> None:
+    async def release(self, lease: str) -> None:
+        """Release a lease ``match(..., lock=True)`` returned (an opaque string id, releasable
+        only by the same principal: the same token, or without auth the same host)."""
         await self._post("/v1/release", {"lease": lease})
 
     # ------------------------------------------------------------------ storage API

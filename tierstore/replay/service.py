@@ -116,7 +116,7 @@ class ServiceTarget:
                 NAMESPACE, kv=blobs("kv"), swa=blobs("swa"), state=state[0] if state else None)
             self.not_stored += not result["stored"]
         if lookup.lease is not None:
-            self.client.release(int(lookup.lease))  # type: ignore[call-overload]
+            self.client.release(str(lookup.lease))
 
     def figures(self) -> dict[str, object]:
         now = self.client.stats()

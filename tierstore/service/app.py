@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import hashlib
 import hmac
 import logging
 import time
@@ -28,17 +29,22 @@ from tierstore.errors import LeaseError, NamespaceError, ShapeError, TokenError
 from tierstore.hashing import check_namespace
 from tierstore.layout import LayoutError
 from tierstore.service.codec import (
+    INT64_MAX,
+    INT64_MIN,
     MSGPACK,
     HTTPError,
     blobs_field,
     error_response,
     field,
+    int_field,
     msgpack_chunks,
     read_body,
+    release_body,
     stack,
     tokens_field,
 )
 from tierstore.service.config import ServiceConfig
+from tierstore.service.http import install
 from tierstore.service.kv import BadKeyError, KeyValueStore
 from tierstore.service.leases import LeaseTable
 from tierstore.service.metrics import Metrics
@@ -47,6 +53,8 @@ from tierstore.store import TierStore
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+PRINCIPAL: Any = web.RequestKey("principal", str) if hasattr(web, "RequestKey") else \
+    "tierstore.principal"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 _STATUS: dict[type[Exception], tuple[int, str]] = {
@@ -96,6 +104,7 @@ class Service:
         app.router.add_post("/v1/storage/batch_exists", self.batch_exists)
         app.router.add_post("/v1/storage/delete", self.delete)
         app.cleanup_ctx.append(self._lifecycle)
+        install(app, self.config)
         ShmRoutes(self).register(app)
         return app
 
@@ -124,7 +133,10 @@ class Service:
         try:
             return await handler(request)
         except HTTPError as exc:
-            return error_response(exc.status, exc.error, exc.detail)
+            response = error_response(exc.status, exc.error, exc.detail)
+            if exc.status in (408, 413):  # the body was not (all) read: drop the connection
+                response.force_close()
+            return response
         except web.HTTPRequestEntityTooLarge as exc:
             return error_response(413, "body_too_large", exc.text or "request body too large")
         except web.HTTPException as exc:
@@ -138,6 +150,8 @@ class Service:
         except Exception:
             log.exception("%s %s failed", request.method, request.path)
             return error_response(500, "internal_error", "see the service log")
+        finally:
+            release_body(request)
 
     @web.middleware
     async def _timing(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -161,10 +175,21 @@ class Service:
             given = request.headers.get("Authorization", "")
             if request.path == "/dashboard" and "token" in request.query:
                 given = f"Bearer {request.query['token']}"  # a browser opening the page
-            if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            # Headers arrive as latin-1/surrogate-escaped text: compare the bytes sent.
+            sent = given.encode("utf-8", "surrogateescape")
+            if not hmac.compare_digest(sent, f"Bearer {token}".encode()):
                 raise HTTPError(401, "unauthorized", "a valid 'Authorization: Bearer' token is "
                                                      "required")
+        request[PRINCIPAL] = self._principal(request)
         return await handler(request)
+
+    def _principal(self, request: web.Request) -> str:
+        """Who is asking, for lease ownership: the token's digest with auth on (one principal
+        per token), else the peer's address."""
+        if self.config.auth_token is not None:
+            digest = hashlib.sha256(self.config.auth_token.encode()).hexdigest()[:32]
+            return f"token:{digest}"
+        return f"peer:{request.remote or '?'}"
 
     # ------------------------------------------------------------------ control
     async def healthz(self, request: web.Request) -> web.Response:
@@ -188,6 +213,8 @@ class Service:
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
         self.metrics.store.snapshot = await self.run(self.store.stats)
+        remote = self.kv.remote
+        self.metrics.store.kv_errors = {} if remote is None else dict(remote.stats().errors)
         self.metrics.store.extra = {"leases_active": len(self.leases),
                                     "kv_host_bytes": self.kv.stats()["host_bytes"]}
         body = generate_latest(self.metrics.registry)
@@ -208,14 +235,15 @@ class Service:
         tokens = tokens_field(body, self.config.max_tokens)
         namespace = check_namespace(field(body, "namespace", str, default="default"))
         lock = field(body, "lock", bool, default=False)
-        priority = field(body, "priority", int, default=0)
+        priority = int_field(body, "priority", INT64_MIN, INT64_MAX, default=0)
+        principal = request[PRINCIPAL]
 
-        def work() -> tuple[Any, int | None]:
+        def work() -> tuple[Any, str | None]:
             result = self.store.match(tokens, namespace, priority=priority)
             lease_id = None
             if result.lease is not None:
                 if lock:
-                    lease_id = self.leases.add(result.lease)
+                    lease_id = self.leases.add(result.lease, principal)
                 else:
                     self.store.release(result.lease)
             return result, lease_id
@@ -294,12 +322,13 @@ class Service:
 
     async def release(self, request: web.Request) -> web.Response:
         body = await read_body(request)
-        lease_id = field(body, "lease", int)
-        lease = self.leases.pop(lease_id)
-        if lease is None:
-            raise HTTPError(404, "unknown_lease", f"lease {lease_id} is not held (released, "
-                                                  f"expired after {self.config.lease_ttl_s} s, "
-                                                  f"or never issued)")
+        lease_id = field(body, "lease", str)
+        lease = self.leases.pop(lease_id, request[PRINCIPAL])
+        if lease is None:  # the same answer whoever holds it: existence is not revealed
+            raise HTTPError(404, "unknown_lease", f"lease {lease_id[:64]!r} is not held "
+                                                  f"(released, expired after "
+                                                  f"{self.config.lease_ttl_s} s, or never "
+                                                  f"issued to you)")
         await self.run(self.store.release, lease)
         return web.json_response({"released": True})
 

@@ -14,6 +14,13 @@ class ServiceConfig:
     a match that locks its prefix holds a lease for ``lease_ttl_s`` unless released sooner;
     ``kv_host_bytes`` bounds the key-addressed storage's host copy (Redis holds the rest),
     kept in a shared-memory segment that same-host clients map unless ``shm`` is off.
+
+    Connection limits: a request's headers must arrive within ``header_timeout_s`` of its
+    first byte and its body within ``body_timeout_s``; a connection idle for
+    ``keepalive_timeout_s`` is closed; at ``max_connections`` the longest-idle connection is
+    closed to admit a new one (a new one is refused when none is idle). Request bodies being
+    read and handled hold at most ``max_inflight_body_bytes`` together (default twice
+    ``max_body_bytes``); a body that would exceed it waits up to ``body_timeout_s``, then 503.
     """
 
     host: str = "127.0.0.1"
@@ -26,14 +33,30 @@ class ServiceConfig:
     kv_host_bytes: int = 1 << 30
     kv_namespace: str = "kv"
     shm: bool = True
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    keepalive_timeout_s: float = 15.0
+    max_connections: int = 1024
+    max_inflight_body_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        for name in ("max_body_bytes", "max_tokens", "max_batch", "kv_host_bytes"):
-            if getattr(self, name) <= 0:
+        for name in ("max_body_bytes", "max_tokens", "max_batch", "kv_host_bytes",
+                     "max_connections", "header_timeout_s", "body_timeout_s",
+                     "keepalive_timeout_s"):
+            if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_inflight_body_bytes is not None and \
+                self.max_inflight_body_bytes < self.max_body_bytes:
+            raise ValueError(f"max_inflight_body_bytes ({self.max_inflight_body_bytes}) must be "
+                             f">= max_body_bytes ({self.max_body_bytes})")
         if not self.lease_ttl_s > 0:
             raise ValueError(f"lease_ttl_s must be positive, got {self.lease_ttl_s}")
         if self.auth_token is not None and not self.auth_token.strip():
             raise ValueError("auth_token must not be blank")
+
+    @property
+    def inflight_body_bytes(self) -> int:
+        """Bytes of request bodies held at once (``max_inflight_body_bytes`` or its default)."""
+        return self.max_inflight_body_bytes or 2 * self.max_body_bytes

@@ -3,6 +3,7 @@ latency histograms observed by the app's middleware."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,6 +22,7 @@ class StoreCollector(Collector):
     def __init__(self) -> None:
         self.snapshot: StoreStats | None = None
         self.extra: dict[str, Any] = {}
+        self.kv_errors: dict[str, int] = {}  # the storage API's Redis tier (``tskv:`` keys)
 
     def collect(self) -> Iterator[Any]:
         s = self.snapshot
@@ -66,12 +68,17 @@ class StoreCollector(Collector):
         yield occupancy
         yield edges
         yield moves
-        if s.remote is not None:
-            errors = CounterMetricFamily("tierstore_redis_errors", "Redis errors by kind",
+        if s.remote is not None or self.kv_errors:
+            errors = CounterMetricFamily("tierstore_redis_errors", "Redis errors by kind "
+                                         "(prefix store and storage API together)",
                                          labels=["kind"])
-            for kind, n in dict(s.remote.get("errors", {})).items():  # type: ignore[call-overload]
+            both = Counter(self.kv_errors)
+            if s.remote is not None:
+                both.update(dict(s.remote.get("errors", {})))  # type: ignore[call-overload]
+            for kind, n in sorted(both.items()):
                 errors.add_metric([kind], n)
             yield errors
+        if s.remote is not None:
             circuit = GaugeMetricFamily("tierstore_redis_circuit_open",
                                         "1 while a node's circuit breaker is not closed",
                                         labels=["node"])

@@ -7,7 +7,6 @@ import logging
 from contextlib import ExitStack
 
 import torch
-from aiohttp import web
 
 from remote_tier import RemoteTierConfig
 from tierstore.config import StoreConfig
@@ -15,6 +14,7 @@ from tierstore.layout import ModelLayout, layout_from_config, load_config, load_
 from tierstore.replay.scaled import parse_scale, scale_layout
 from tierstore.service.app import Service
 from tierstore.service.config import ServiceConfig
+from tierstore.service.http import run as run_guarded
 from tierstore.settings import environment, parse_size
 from tierstore.store import TierStore
 
@@ -119,6 +119,5 @@ def serve(args: argparse.Namespace) -> int:
         service, config = build(args, stack)
         log.info("tierstore serving %s on http://%s:%d (dashboard: /dashboard)",
                  service.store.layout.name, config.host, config.port)
-        web.run_app(service.app(), host=config.host, port=config.port, print=None,
-                    access_log=None)
+        run_guarded(service.app(), config)  # connection cap, header/body/idle timeouts
     return 0

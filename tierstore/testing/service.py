@@ -10,6 +10,7 @@ from aiohttp import web
 from remote_tier import RemoteTierConfig
 from tierstore.service.app import Service
 from tierstore.service.config import ServiceConfig
+from tierstore.service.http import GuardedRunner
 from tierstore.store import TierStore
 from tierstore.testing.redis_server import free_port
 
@@ -36,7 +37,7 @@ class RunningService:
         self._thread.start()
 
         async def up() -> web.AppRunner:
-            runner = web.AppRunner(self.service.app(), access_log=None)
+            runner = GuardedRunner(self.service.app(), self.config, access_log=None)
             await runner.setup()
             await web.TCPSite(runner, "127.0.0.1", self.config.port).start()
             return runner

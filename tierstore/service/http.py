@@ -1,0 +1,169 @@
+"""HTTP limits around the app: connection cap, header / body / idle timeouts, body size and
+in-flight body bytes, and aiohttp's own parser errors answered in the JSON error shape.
+
+aiohttp has a keep-alive timeout and a body size limit but no header-read timeout, no
+connection cap, and it reads a body up to the limit before refusing it; its parser errors are
+``text/plain``. ``GuardedRunner`` runs an app behind a ``RequestHandler`` subclass that adds
+these (it uses aiohttp's request-handler internals: ``_request_count`` and ``_kwargs``,
+checked by ``tests/service/test_hardening.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+from typing import Any
+
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+
+from tierstore.service.codec import BODY_LIMITS, BodyBudget, BodyLimits
+from tierstore.service.config import ServiceConfig
+
+log = logging.getLogger(__name__)
+# After answering a request whose body was not read (413, 408), the rest is read and dropped
+# this long before the connection closes, so the client sees the answer rather than a reset.
+LINGER_S = 1.0
+
+
+def install(app: web.Application, config: ServiceConfig) -> None:
+    """Attach ``config``'s body limits to ``app`` (``read_raw`` finds them there)."""
+    app[BODY_LIMITS] = BodyLimits(config.max_body_bytes, config.body_timeout_s,
+                                  BodyBudget(config.inflight_body_bytes))
+
+
+def raw_error(status: int, error: str, detail: str) -> bytes:
+    """A whole HTTP/1.1 error response in the JSON error shape, closing the connection (for
+    answers written before the app sees a request)."""
+    body = json.dumps({"error": error, "detail": detail}).encode()
+    return (f"HTTP/1.1 {status} {error.replace('_', ' ')}\r\nContent-Type: application/json"
+            f"\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
+
+
+class GuardedHandler(RequestHandler):
+    """aiohttp's request handler plus a header-read deadline and JSON parser errors."""
+
+    def __init__(self, manager: web.Server, *, header_timeout_s: float, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self.header_timeout_s = header_timeout_s
+        self.in_flight = 0  # requests parsed and not yet answered
+        self._header_timer: asyncio.TimerHandle | None = None
+
+    def data_received(self, data: bytes) -> None:
+        before = self._request_count
+        if self.in_flight == 0 and self._header_timer is None and data:
+            self._header_timer = self._loop.call_later(self.header_timeout_s,
+                                                       self._headers_late)
+        super().data_received(data)
+        parsed = self._request_count - before
+        if parsed:
+            self.in_flight += parsed
+            self._cancel_header_timer()
+
+    async def finish_response(self, request: web.BaseRequest, resp: web.StreamResponse,
+                              start_time: float | None) -> tuple[web.StreamResponse, bool]:
+        try:
+            return await super().finish_response(request, resp, start_time)
+        finally:
+            self.in_flight = max(0, self.in_flight - 1)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._cancel_header_timer()
+        super().connection_lost(exc)
+
+    def handle_error(self, request: web.BaseRequest, status: int = 500,
+                     exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        """Parser errors (and anything before the app) as ``{error, detail}`` JSON."""
+        if status >= 500:
+            self.log_exception("Error handling request", exc_info=exc)
+        detail = message or (str(exc) if exc else "") or "malformed request"
+        error = "malformed_request" if status < 500 else "internal_error"
+        resp = web.json_response({"error": error, "detail": detail[:500]}, status=status)
+        resp.force_close()
+        return resp
+
+    def _headers_late(self) -> None:
+        self._header_timer = None
+        if self.in_flight or self.transport is None:
+            return
+        self.transport.write(raw_error(408, "header_timeout", f"request headers did not "
+                                       f"arrive within {self.header_timeout_s} s"))
+        self.force_close()
+
+    def _cancel_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+
+class GuardedServer(web.Server):
+    """Creates ``GuardedHandler``s and keeps at most ``max_connections`` open."""
+
+    def __init__(self, *args: Any, header_timeout_s: float, max_connections: int,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.header_timeout_s = header_timeout_s
+        self.max_connections = max_connections
+        self.num_refused = 0
+        self.num_evicted = 0
+
+    def __call__(self) -> RequestHandler:
+        return GuardedHandler(self, loop=self._loop, header_timeout_s=self.header_timeout_s,
+                              **self._kwargs)
+
+    def connection_made(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
+        super().connection_made(handler, transport)
+        if len(self._connections) <= self.max_connections:
+            return
+        idle = next((h for h in self._connections if h is not handler
+                     and isinstance(h, GuardedHandler) and h.in_flight == 0), None)
+        if idle is not None:  # oldest first: the dict keeps connection order
+            self.num_evicted += 1
+            idle.force_close()
+            self._connections.pop(idle, None)
+            return
+        self.num_refused += 1
+        transport.write(raw_error(503, "too_many_connections",
+                                  f"{self.max_connections} connections are busy"))
+        handler.force_close()
+        self._connections.pop(handler, None)
+
+
+class GuardedRunner(web.AppRunner):
+    """``web.AppRunner`` serving through ``GuardedServer`` with ``config``'s limits."""
+
+    def __init__(self, app: web.Application, config: ServiceConfig, **kwargs: Any) -> None:
+        kwargs.setdefault("keepalive_timeout", config.keepalive_timeout_s)
+        kwargs.setdefault("lingering_time", LINGER_S)
+        super().__init__(app, **kwargs)
+        self._config = config
+
+    async def _make_server(self) -> web.Server:
+        plain = await super()._make_server()
+        return GuardedServer(plain.request_handler, request_factory=plain.request_factory,
+                             handler_cancellation=plain.handler_cancellation,
+                             header_timeout_s=self._config.header_timeout_s,
+                             max_connections=self._config.max_connections, **plain._kwargs)
+
+
+def run(app: web.Application, config: ServiceConfig) -> None:
+    """Serve ``app`` on ``config.host:port`` until SIGINT / SIGTERM."""
+
+    async def main() -> None:
+        runner = GuardedRunner(app, config, access_log=None)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, config.host, config.port).start()
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, stop.set)
+            await stop.wait()
+            log.info("stopping")
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
