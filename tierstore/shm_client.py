@@ -31,6 +31,11 @@ class ShmUnavailable(RuntimeError):
     """Shared memory cannot be used with this service (another host, no segment, refused)."""
 
 
+class SegmentChanged(ShmUnavailable):
+    """The service behind the URL is not the one whose segment this transport mapped (it
+    restarted): attach again."""
+
+
 class LeaseExpired(RuntimeError):
     """A read lease ended before the copy did: the bytes copied under it are not trusted."""
 
@@ -67,8 +72,8 @@ class SharedMemoryTransport:
         the segment, valid only during the call; it copies what it keeps and answers whether
         it took the value). Per key whether it was found and taken. LeaseExpired when the
         service had ended the read lease before the copies finished."""
-        reply = self.client.call("/v1/storage/shm_get", {"keys": list(keys),
-                                                         "namespace": namespace})
+        reply = self._call("/v1/storage/shm_get", {"keys": list(keys), "namespace": namespace,
+                                                   "segment": self.segment.name})
         buf = self.segment.tensor
         taken = [False] * len(keys)
         try:
@@ -108,8 +113,9 @@ class SharedMemoryTransport:
         ``uint8`` view of exactly ``sizes[i]`` bytes), then commit; per key whether the
         service holds it now. A key whose range could not be reserved is False (send it over
         HTTP). If ``source`` raises, the reservation is aborted and nothing becomes visible."""
-        reply = self.client.call("/v1/storage/shm_reserve", {
-            "keys": list(keys), "sizes": [int(n) for n in sizes], "namespace": namespace})
+        reply = self._call("/v1/storage/shm_reserve", {
+            "keys": list(keys), "sizes": [int(n) for n in sizes], "namespace": namespace,
+            "segment": self.segment.name})
         res_id, buf = reply["reservation"], self.segment.tensor
         try:
             for i, slot in enumerate(reply["slots"]):
@@ -131,6 +137,15 @@ class SharedMemoryTransport:
             view.copy_(flat[i])
 
         return self.put_from(keys, [t.numel() for t in flat], namespace, fill)
+
+    def _call(self, path: str, body: dict[str, Any]) -> Any:
+        try:
+            return self.client.call(path, body)
+        except ServiceError as exc:
+            if exc.status == 409 or exc.error == "shm_unavailable":
+                raise SegmentChanged(f"the service no longer serves segment "
+                                     f"{self.segment.name}: {exc}") from exc
+            raise
 
     def close(self) -> None:
         """Unmap the segment (the service keeps it)."""

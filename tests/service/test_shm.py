@@ -23,6 +23,7 @@ from tierstore.config import StoreConfig
 from tierstore.service.config import ServiceConfig
 from tierstore.shm_client import (
     LeaseExpired,
+    SegmentChanged,
     SharedMemoryTransport,
     ShmUnavailable,
     open_transport,
@@ -163,8 +164,8 @@ def test_a_client_killed_mid_write_leaves_nothing(svc: RunningService, client: C
         from tierstore.shm_client import SharedMemoryTransport
         c = Client({svc.url!r}, retries=0)
         t = SharedMemoryTransport.attach(c)
-        reply = c.call("/v1/storage/shm_reserve",
-                       {{"keys": ["victim"], "sizes": [8192], "namespace": {NS!r}}})
+        reply = c.call("/v1/storage/shm_reserve", {{"keys": ["victim"], "sizes": [8192],
+                       "namespace": {NS!r}, "segment": t.segment.name}})
         start, length = reply["slots"][0]
         t.segment.tensor[start:start + length // 2].fill_(7)  # half written
         print("reserved", flush=True)
@@ -191,7 +192,8 @@ def test_read_leases_expire_and_expired_copies_are_refused(
         shm_of: Callable[[], SharedMemoryTransport]) -> None:
     transport = shm_of()
     assert transport.batch_set(["a"], [b"x" * 1000], NS) == [True]
-    held = client.call("/v1/storage/shm_get", {"keys": ["a"], "namespace": NS})
+    held = client.call("/v1/storage/shm_get", {"keys": ["a"], "namespace": NS,
+                                               "segment": transport.segment.name})
     assert kv_stats(svc)["shm_leases"] == 1
     transport.batch_set(["a"], [b"y" * 1000], NS)  # replaced while leased: the old bytes stay
     start, length = held["values"][0]
@@ -221,8 +223,9 @@ def test_a_failing_writer_aborts_and_commits_are_single_use(
         transport.put_from(["z"], [64], NS, broken)
     stats = kv_stats(svc)
     assert (stats["shm_reservations"], stats["host_used_bytes"], stats["host_keys"]) == (0, 0, 0)
+    name = transport.segment.name
     reply = client.call("/v1/storage/shm_reserve", {"keys": ["z"], "sizes": [64],
-                                                    "namespace": NS})
+                                                    "namespace": NS, "segment": name})
     assert client.call("/v1/storage/shm_commit", {"reservation": reply["reservation"]}) == \
         {"stored": [True]}
     with pytest.raises(ServiceError) as err:
@@ -230,16 +233,18 @@ def test_a_failing_writer_aborts_and_commits_are_single_use(
     assert (err.value.status, err.value.error) == (404, "unknown_reservation")
     with pytest.raises(ServiceError) as err:
         client.call("/v1/storage/shm_reserve", {"keys": ["a", "b"], "sizes": [1],
-                                                "namespace": NS})
+                                                "namespace": NS, "segment": name})
     assert err.value.status == 422
 
 
 def test_eviction_never_reuses_bytes_a_reader_holds(
         svc: RunningService, shm_of: Callable[[], SharedMemoryTransport]) -> None:
     """Threads write and read distinct keys through 1 MiB of host memory (constant eviction);
-    every value read is the one written."""
+    every value read is the one written (or a miss: another thread's write may evict it
+    before Redis has it)."""
     transport = shm_of()
     wrong: list[str] = []
+    hits: list[int] = []
 
     def worker(n: int) -> None:
         for r in range(15):
@@ -247,7 +252,9 @@ def test_eviction_never_reuses_bytes_a_reader_holds(
             data = values(4, 40_000, seed=1000 * n + r)
             transport.batch_set(keys, data, NS)
             got = transport.batch_get(keys, NS)
-            wrong.extend(k for k, g, d in zip(keys, got, data, strict=True) if g != d)
+            wrong.extend(k for k, g, d in zip(keys, got, data, strict=True)
+                         if g is not None and g != d)
+            hits.append(sum(g is not None for g in got))
 
     threads = [threading.Thread(target=worker, args=(n,)) for n in range(4)]
     for t in threads:
@@ -255,7 +262,7 @@ def test_eviction_never_reuses_bytes_a_reader_holds(
     for t in threads:
         t.join(timeout=120)
     assert wrong == [] and not any(t.is_alive() for t in threads)
-    assert kv_stats(svc)["host_evictions"] > 0
+    assert kv_stats(svc)["host_evictions"] > 0 and sum(hits) > len(hits) * 2
     svc.service.kv.host.check_integrity()
 
 
@@ -298,3 +305,24 @@ def test_attach_needs_the_token(redis_server: RedisServer) -> None:
     finally:
         guarded.stop()
     assert not os.path.exists(os.path.join(shm.SHM_DIR, name))  # unlinked with the service
+
+
+def test_a_restarted_service_is_noticed_not_misread(redis_server: RedisServer,
+                                                    svc: RunningService) -> None:
+    with Client(svc.url, retries=0) as c:
+        transport = SharedMemoryTransport.attach(c)
+        assert transport.batch_set(["s"], [b"old" * 100], NS) == [True]
+        svc.stop()
+        again = start(redis_server, port=svc.config.port)  # same URL, a new segment
+        try:
+            with pytest.raises(SegmentChanged):
+                transport.batch_get(["s"], NS)
+            with pytest.raises(SegmentChanged):
+                transport.batch_set(["s"], [b"new"], NS)
+            fresh = SharedMemoryTransport.attach(c)
+            assert fresh.segment.name != transport.segment.name
+            assert fresh.batch_get(["s"], NS) == [b"old" * 100]  # via Redis
+            fresh.close()
+        finally:
+            again.stop()
+        transport.close()

@@ -4,6 +4,8 @@ A client that authenticated over HTTP asks ``/v1/shm/attach`` for the segment's 
 nonce and maps it (it proves the mapping is this service's memory by the nonce, i.e. that it
 runs on the same host). Then:
 
+Every data call names the segment the client mapped (409 when it is not this service's).
+
 - ``/v1/storage/shm_get`` pins the values of its keys under a read lease and answers
   ``[offset, length]`` per key (bytes inline for a value Redis had that host memory cannot
   take, nil for a miss); the client copies, then ``/v1/storage/shm_release`` ends the lease
@@ -75,8 +77,9 @@ class ShmRoutes:
                          "lease_ttl_s": self.service.config.lease_ttl_s})
 
     async def get(self, request: web.Request) -> web.Response:
-        self._check()
-        keys = self.service._keys(await read_body(request))
+        body = await read_body(request)
+        self._check(body)
+        keys = self.service._keys(body)
         found = await self.kv.lookup(keys)
         pinned = [v for v in found if isinstance(v, Value)]
         lease = self.kv.host.lease(pinned) if pinned else None
@@ -88,8 +91,8 @@ class ShmRoutes:
         return web.json_response({"released": self.kv.host.end_lease(lease)})
 
     async def reserve(self, request: web.Request) -> web.Response:
-        self._check()
         body = await read_body(request)
+        self._check(body)
         keys = self.service._keys(body)
         sizes = field(body, "sizes", list)
         if len(sizes) != len(keys) or not all(type(n) is int and n >= 0 for n in sizes):
@@ -113,9 +116,15 @@ class ShmRoutes:
         res_id = field(await read_body(request), "reservation", str)
         return web.json_response({"aborted": self.kv.abort(res_id)})
 
-    def _check(self) -> None:
-        if self.kv.host.segment is None:
+    def _check(self, body: dict[str, Any]) -> None:
+        """503 without a segment; 409 when the client mapped another one (e.g. of a service
+        that ran on this port before): its offsets would point into the wrong memory."""
+        segment = self.kv.host.segment
+        if segment is None:
             raise HTTPError(503, "shm_unavailable", "no shared segment on this service")
+        if field(body, "segment", str) != segment.name:
+            raise HTTPError(409, "segment_changed", "the client mapped another segment: "
+                                                   "attach again")
 
 
 def _msgpack(payload: dict[str, Any]) -> web.Response:
