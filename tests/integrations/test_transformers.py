@@ -60,6 +60,10 @@ ARCHS: dict[str, tuple[Callable[[], Any], Callable[[dict[str, Any]], dict[str, A
         shared_expert_intermediate_size=16), lambda d: d),
     "qwen3_5": (lambda: tf.Qwen3_5TextConfig(**BASE, **GDN),
                 lambda d: {"model_type": "qwen3_5", "text_config": d}),
+    "qwen3_5_moe": (lambda: tf.Qwen3_5MoeTextConfig(
+        **BASE, **GDN, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16),
+        lambda d: {"model_type": "qwen3_5_moe", "text_config": d}),
     "gpt_oss": (lambda: tf.GptOssConfig(**BASE, num_hidden_layers=4, head_dim=8,
                                         sliding_window=8, num_local_experts=4,
                                         num_experts_per_tok=2), lambda d: d),
@@ -88,10 +92,24 @@ ARCHS: dict[str, tuple[Callable[[], Any], Callable[[dict[str, Any]], dict[str, A
     "lfm2": (lambda: tf.Lfm2Config(**BASE, num_hidden_layers=4, full_attn_idxs=[1, 3],
                                    conv_L_cache=3),
              lambda d: {k: v for k, v in d.items() if k != "layer_types"}),
+    "lfm2_moe": (lambda: tf.Lfm2MoeConfig(
+        **BASE, num_hidden_layers=4, layer_types=["conv", "full_attention", "conv",
+                                                  "full_attention"],
+        conv_L_cache=3, num_dense_layers=1, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16), lambda d: d),
 }
 TOLERANCE = {"bamba": 2e-3, "jamba": 1e-4}  # see the module docstring; 1e-5 otherwise
 PROMPT, SHARED, SECOND = 21, 20, 27  # first prompt, its cached prefix, the second prompt
 IDLE_S = 0.4  # how long prompts cached before the target sit idle (the compaction path)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    """One intra-op thread for this module: the tensors are tiny, threads only contend."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @functools.cache
@@ -252,40 +270,56 @@ def served(arch: str, path: str, request: pytest.FixtureRequest
         store.close()
 
 
+@functools.cache
+def references(arch: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of the second prompt from ``SHARED`` on: transformers continuing its own live
+    cache over the chunks a restored run computes (``[SHARED, cut)``, then the rest), and one
+    forward over the whole prompt."""
+    m = model(arch)
+    ids = torch.tensor([second_prompt()])
+    cut = SECOND // PAGE * PAGE
+    with torch.no_grad():
+        live = CacheCodec(model_layout(m, page_size=PAGE), m.config).new_cache()
+        m(ids[:, :SHARED], past_key_values=live)
+        own = torch.cat([m(ids[:, SHARED:cut], past_key_values=live).logits[0],
+                         m(ids[:, cut:], past_key_values=live).logits[0]])
+        full = m(ids).logits[0, SHARED:]
+    return own.float(), full.float()
+
+
+def first_prompt() -> list[int]:
+    return tokens(PROMPT, 10)
+
+
+def second_prompt() -> list[int]:
+    return first_prompt()[:SHARED] + tokens(SECOND - SHARED, 11)
+
+
 @pytest.mark.parametrize("path", ["l1", "compacted", "l2", "l3", "service"])
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_restored_prefix_gives_the_logits_of_a_recompute(
         arch: str, path: str, request: pytest.FixtureRequest) -> None:
-    first_prompt = tokens(PROMPT, 10)
-    second_prompt = first_prompt[:SHARED] + tokens(SECOND - SHARED, 11)
+    p1, p2 = first_prompt(), second_prompt()
     with served(arch, path, request) as (pc, store, tier):
         if path == "compacted":
             fill(store, LibraryBackend(store, "tf"), 3, seed=500)
             time.sleep(IDLE_S)
-        first = pc.prefill(first_prompt)
+        first = pc.prefill(p1)
         assert (first.cached_tokens, first.saved_tokens) == (0, SHARED)
         if path == "compacted":
-            drop_fillers_and_compact(store, LibraryBackend(store, "tf"), first_prompt[:-1])
+            drop_fillers_and_compact(store, LibraryBackend(store, "tf"), p1[:-1])
         elif path in ("l2", "l3"):
-            push_out(store, LibraryBackend(store, "tf"), first_prompt[:-1], seed=100)
-            assert store.peek(first_prompt[:-1], "tf", tiers=(int(path[1]),)) == SHARED
+            push_out(store, LibraryBackend(store, "tf"), p1[:-1], seed=100)
+            assert store.peek(p1[:-1], "tf", tiers=(int(path[1]),)) == SHARED
 
-        second = pc.prefill(second_prompt)
+        second = pc.prefill(p2)
         assert second.cached_tokens == SHARED
         assert second.saved_tokens == SECOND // PAGE * PAGE
         assert second.tiers.get(tier, 0) > 0, second.tiers
         if path != "service":
             store.check_integrity()
 
-    m = model(arch)
-    ids = torch.tensor([second_prompt])
-    with torch.no_grad():
-        live = CacheCodec(pc.layout, m.config).new_cache()
-        m(ids[:, :SHARED], past_key_values=live)
-        cut = SECOND // PAGE * PAGE  # the restored run computed [SHARED, cut) then the rest
-        own = torch.cat([m(ids[:, SHARED:cut], past_key_values=live).logits[0],
-                         m(ids[:, cut:], past_key_values=live).logits[0]])
-        full = m(ids).logits[0, SHARED:]
+    own, full = references(arch)
     assert torch.equal(second.logits, own), "restored state differs from the model's own"
     tolerance = TOLERANCE.get(arch, 1e-5)
     assert torch.allclose(second.logits, full, atol=tolerance, rtol=0), \
