@@ -324,3 +324,22 @@ def test_restored_prefix_gives_the_logits_of_a_recompute(
     tolerance = TOLERANCE.get(arch, 1e-5)
     assert torch.allclose(second.logits, full, atol=tolerance, rtol=0), \
         float((second.logits - full).abs().max())
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "nemotron_h", "lfm2"])
+def test_the_prefilled_cache_decodes_on(arch: str) -> None:
+    m = model(arch)
+    layout = model_layout(m, page_size=PAGE)
+    store = TierStore(layout, StoreConfig(capacity_bytes=64 * footprint(layout)))
+    pc = PrefixCache(m, LibraryBackend(store), layout)
+    pc.prefill(first_prompt())
+    out = pc.prefill(second_prompt())
+    assert out.cached_tokens == SHARED
+    for layer in out.cache.layers:  # sliding layers keep window - 1 tokens again
+        if getattr(layer, "is_sliding", False):
+            assert layer.keys.shape[-2] == layer.sliding_window - 1 and not layer.record_past
+    nxt = int(out.logits[-1].argmax())
+    with torch.no_grad():
+        step = m(torch.tensor([[nxt]]), past_key_values=out.cache).logits[0, -1]
+        full = m(torch.tensor([[*second_prompt(), nxt]])).logits[0, -1]
+    assert torch.allclose(step, full, atol=1e-5, rtol=0)

@@ -32,8 +32,8 @@ class Prefilled:
     """One prompt's prefill: logits of positions ``[cached_tokens, len(prompt))``, the cache
     after the whole prompt (for decoding on), and whether a checkpoint was cached."""
 
-    logits: torch.Tensor  # [len(prompt) - cached_tokens, vocab]
-    cache: DynamicCache
+    logits: torch.Tensor  # [len(prompt) - cached_tokens, vocab], float32
+    cache: DynamicCache  # sliding layers back to keeping window - 1 tokens
     cached_tokens: int
     saved_tokens: int  # the page-aligned prefix handed to the store (0: none)
     tiers: dict[str, int] = field(default_factory=dict)
@@ -86,6 +86,7 @@ class PrefixCache:
             logits.append(self._forward(ids[:, start:boundary], cache))
             saved = boundary if self.save(prompt[:boundary], cache) else 0
         logits.append(self._forward(ids[:, max(start, boundary):], cache))
+        self.codec.stop_recording(cache)  # nothing more to save: a plain cache to decode on
         return Prefilled(torch.cat(logits), cache, start, saved, restored.tiers)
 
     def _forward(self, ids: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
