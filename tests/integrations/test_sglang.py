@@ -121,13 +121,20 @@ def svc(redis_server: RedisServer) -> Iterator[RunningService]:
 Factory = Callable[..., Any]
 
 
+@pytest.fixture(params=["shm", "http"])
+def transport(request: pytest.FixtureRequest) -> str:
+    """Every adapter test runs through the shared segment and over HTTP."""
+    return str(request.param)
+
+
 @pytest.fixture
-def make_backend(svc: RunningService) -> Iterator[Factory]:
+def make_backend(svc: RunningService, transport: str) -> Iterator[Factory]:
     """Backends built exactly as SGLang builds a ``dynamic`` one; closed after the test."""
     made: list[Any] = []
 
     def make(url: str | None = None, tp_rank: int = 0, tp_size: int = 2,
              model: str = "Qwen/Qwen3-8B", mla: bool = False, **extra: Any) -> Any:
+        extra.setdefault("transport", transport)
         config = hicache.HiCacheStorageConfig(
             tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
             attn_cp_size=1, is_mla_model=mla, enable_storage_metrics=True,
@@ -146,8 +153,9 @@ def make_backend(svc: RunningService) -> Iterator[Factory]:
 
 
 # ------------------------------------------------------------------ generic path
-def test_factory_builds_a_hicache_storage(make_backend: Factory) -> None:
+def test_factory_builds_a_hicache_storage(make_backend: Factory, transport: str) -> None:
     backend = make_backend()
+    assert backend.transport == transport  # the in-process service is on this host
     assert isinstance(backend, hicache.HiCacheStorage)
     assert isinstance(backend, TierStoreHiCacheStorage)
     assert backend.namespace.startswith("sglang/Qwen-Qwen3-8B/tp0of2.")
@@ -412,7 +420,7 @@ def test_mla_kv_is_shared_across_tp_ranks_but_state_is_not(make_backend: Factory
 
 # ------------------------------------------------------------------ faults
 def test_service_down_means_misses_then_recovers(make_backend: Factory,
-                                                 redis_server: RedisServer,
+                                                 redis_server: RedisServer, transport: str,
                                                  caplog: pytest.LogCaptureFixture) -> None:
     first = start_service(redis_server)
     backend = make_backend(url=first.url, retry_down_s=0.2)
@@ -450,6 +458,7 @@ def test_service_down_means_misses_then_recovers(make_backend: Factory,
         assert all(g is not None and same_bytes(g, d) for g, d in zip(got, data, strict=True))
         assert second.service.kv.stats()["hits_redis"] == 3  # a new service: Redis had them
         assert backend.batch_set(page_keys("after", 2), data[:2])
+        assert backend.transport == transport  # re-attached to the new service's segment
     finally:
         second.stop()
 
@@ -464,6 +473,41 @@ def test_auth_token(make_backend: Factory, redis_server: RedisServer) -> None:
         assert bad.batch_exists(keys) == 0 and bad.set("d" * 64, pages(1, seed=11)[0]) is False
     finally:
         guarded.stop()
+
+
+@pytest.mark.parametrize("transport", ["shm"])
+def test_pages_cross_between_transports(make_backend: Factory) -> None:
+    """A page written through shared memory reads back over HTTP and the other way round,
+    through the generic and the host-pool paths."""
+    over_shm, over_http = make_backend(), make_backend(transport="http")
+    assert (over_shm.transport, over_http.transport) == ("shm", "http")
+    pools = [KVHostPool(), KVHostPool()]
+    for backend, pool in zip((over_shm, over_http), pools, strict=True):
+        backend.register_mem_pool_host(pool)
+    pools[0].fill_random(seed=12)
+    keys = page_keys("cross", 4)
+    assert over_shm.batch_set_v1(keys[:2], torch.arange(2 * PAGE)) == [True, True]
+    pools[1].fill_random(seed=13)
+    assert over_http.batch_set_v1(keys[2:], torch.arange(2 * PAGE)) == [True, True]
+    for reader, writer_pool, part in ((over_http, pools[0], slice(0, 2)),
+                                      (over_shm, pools[1], slice(2, 4))):
+        got = reader.batch_get(keys[part])
+        assert all(g is not None and same_bytes(g, writer_pool.get_data_page(i * PAGE))
+                   for i, g in enumerate(got))
+    assert over_shm.batch_get_v1(keys, torch.arange(40, 56)) == [True] * 4
+    assert same_bytes(pools[0].get_data_page(48), pools[1].get_data_page(0))
+
+
+@pytest.mark.parametrize("transport", ["shm"])
+def test_pages_larger_than_host_memory_go_over_http(make_backend: Factory) -> None:
+    """The service's host copy is 1 MiB: a bigger page cannot be reserved in the segment,
+    so the adapter sends it over HTTP (Redis keeps it) and reads it back inline."""
+    backend = make_backend()
+    big = torch.randn(600_000, generator=torch.Generator().manual_seed(14)).to(torch.bfloat16)
+    key = page_keys("big", 1)
+    assert backend.transport == "shm" and backend.batch_set(key, [big])
+    got = backend.batch_get(key, [torch.empty_like(big)])
+    assert got[0] is not None and same_bytes(got[0], big)
 
 
 # ------------------------------------------------------------------ bench

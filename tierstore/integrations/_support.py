@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -30,6 +30,8 @@ class TierStoreL3Config:
     one request (the service's batch and body limits, 4096 keys and ``--max-body``, must allow
     them); bodies far past 16 MiB are fresh allocations whose page faults halve throughput. With
     ``skip_existing`` a write first asks how many leading pages are stored and sends the rest.
+    ``transport``: ``auto`` maps the service's shared segment when it runs on this host (else
+    HTTP), ``shm`` insists (warning while it cannot), ``http`` never tries.
     """
 
     url: str = "http://127.0.0.1:8080"
@@ -42,9 +44,12 @@ class TierStoreL3Config:
     max_request_bytes: int = 16 << 20
     skip_existing: bool = True
     log_interval_s: float = 30.0
+    transport: Literal["auto", "shm", "http"] = "auto"
 
     def __post_init__(self) -> None:
         check_namespace(self.namespace)
+        if self.transport not in ("auto", "shm", "http"):
+            raise ValueError(f"transport must be auto, shm or http, got {self.transport!r}")
         if len(self.namespace) > 64:
             raise ValueError(f"namespace must be at most 64 characters, got "
                              f"{len(self.namespace)}")

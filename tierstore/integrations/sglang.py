@@ -18,24 +18,20 @@ Importing this module does not need SGLang; constructing the backend does.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import threading
 import time
-import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar, cast
 
-import aiohttp
 import torch
 
-from tierstore.client import Client, ServiceError
 from tierstore.hashing import check_namespace
+from tierstore.integrations._io import ServiceIO
 from tierstore.integrations._support import (
     TierStoreL3Config,
     _as_buffer,
-    _chunks,
     _Counters,
     _digest,
     _LogLimiter,
@@ -56,15 +52,8 @@ except ImportError as exc:  # the optional extra is not installed: the class say
 _Base: Any = _sgl.HiCacheStorage if _sgl is not None else object
 KV, MAMBA = "kv", "mamba"  # SGLang's PoolName values (a str enum): KV keys stay bare
 _MAX_TRACKED = 1 << 20  # keys remembered for clear()
-_DOWN = (aiohttp.ClientConnectionError, asyncio.TimeoutError, TimeoutError, OSError)
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
-
-with warnings.catch_warnings():
-    # torch warns once per process that a tensor over read-only bytes is writable; values are
-    # only ever read through such views, so spend that one warning here, silently.
-    warnings.simplefilter("ignore")
-    torch.frombuffer(b"\0", dtype=torch.uint8)
 
 
 def _shielded(default: Callable[..., Any]) -> Callable[[F], F]:
@@ -118,16 +107,12 @@ class TierStoreHiCacheStorage(_Base):
         self._log = _LogLimiter(self.config.log_interval_s)
         self._counters = _Counters(bool(storage_config.enable_storage_metrics))
         self._lock = threading.Lock()
-        self._down_until = 0.0
-        self._down = False
         self._written: dict[tuple[str, str], None] = {}
         self._untracked = 0
-        self._client = Client(self.config.url, token=self.config.auth_token,
-                              timeout_s=self.config.timeout_s, retries=self.config.retries)
-        reachable = self._client.health()
-        log.info("tierstore HiCache L3 at %s (%s), namespace %s", self.config.url,
-                 "reachable" if reachable else "NOT reachable yet: every page misses until it "
-                 "is", self.namespace)
+        self._io = ServiceIO(self.config, self._counters, self._log)
+        log.info("tierstore HiCache L3 at %s (%s, %s), namespace %s", self.config.url,
+                 "reachable" if self._io.reachable else "NOT reachable yet: every page misses "
+                 "until it is", self._io.mode, self.namespace)
 
     # ------------------------------------------------------------------ registration
     @property
@@ -179,73 +164,18 @@ class TierStoreHiCacheStorage(_Base):
             return key
         return f"{key}.{pool}.{info.digest}"
 
-    # ------------------------------------------------------------------ guarded requests
-    def _request(self, default: T, fn: Callable[[], T]) -> T:
-        """``fn()`` against the service; a failure is ``default`` and, for a connection failure
-        or 503, answers every call at once for ``retry_down_s``."""
-        if time.monotonic() < self._down_until:
-            return default
-        try:
-            result = fn()
-        except ServiceError as exc:
-            self._counters.fail()
-            if exc.status == 503:
-                self._mark_down(exc)
-            else:
-                self._log.warning("tierstore service refused a request: %s", exc)
-            return default
-        except _DOWN as exc:
-            self._counters.fail()
-            self._mark_down(exc)
-            return default
-        if self._down:
-            with self._lock:
-                self._down = False
-            log.info("tierstore service at %s reachable again", self.config.url)
-        return result
-
-    def _mark_down(self, exc: BaseException) -> None:
-        with self._lock:
-            self._down = True
-            self._down_until = time.monotonic() + self.config.retry_down_s
-        self._log.warning("tierstore service at %s unavailable (%s: %s); storage calls miss "
-                          "for %.1f s", self.config.url, type(exc).__name__, exc,
-                          self.config.retry_down_s)
-
-    def _count(self, ns: str, keys: Sequence[str]) -> int:
-        """How many of ``keys``, from the first, the service holds (0 when unreachable)."""
-        total = 0
-        for part in _chunks([0] * len(keys), self.config.max_batch, 1):
-            chunk = list(keys[part])
-            found = self._request(0, functools.partial(self._client.batch_exists, chunk, ns))
-            total += found
-            if found < len(chunk):
-                break
-        return total
-
-    def _fetch(self, ns: str, keys: Sequence[str], sizes: Sequence[int]
-               ) -> Iterator[tuple[int, list[bytes | None]]]:
-        """(offset, values) per request of about ``max_request_bytes`` of expected ``sizes``;
-        a failed request yields ``None`` values."""
-        for part in _chunks(sizes, self.config.max_batch, self.config.max_request_bytes):
-            chunk = list(keys[part])
-            values = self._request(None, functools.partial(self._client.batch_get, chunk, ns))
-            if values is None or len(values) != len(chunk):
-                values = [None] * len(chunk)
-            yield part.start, values
+    # ------------------------------------------------------------------ requests
+    @property
+    def transport(self) -> str:
+        """``shm`` while pages move through the service's shared segment, else ``http``."""
+        return self._io.mode
 
     def _store(self, ns: str, keys: Sequence[str], sizes: Sequence[int],
-               value: Callable[[int], Any]) -> list[bool]:
-        """Store ``value(i)`` under ``keys[i]``; per key whether the service holds it now."""
-        done = self._count(ns, keys) if self.config.skip_existing else 0
-        stored = [True] * done
-        for part in _chunks(sizes[done:], self.config.max_batch, self.config.max_request_bytes):
-            chunk = list(keys[done:][part])
-            blobs = [value(done + i) for i in range(part.start, part.stop)]
-            acked = self._request(None, functools.partial(self._client.batch_set, chunk,
-                                                          blobs, ns))
-            stored.extend(acked if acked is not None and len(acked) == len(chunk)
-                          else [False] * len(chunk))
+               fill: Callable[[int, torch.Tensor], None], blob: Callable[[int], Any]
+               ) -> list[bool]:
+        """Store value ``i`` under ``keys[i]`` (see ``ServiceIO.write``) and remember it for
+        :meth:`clear`; per key whether the service holds it now."""
+        stored = self._io.write(ns, keys, sizes, fill, blob)
         self._track(ns, [k for k, ok in zip(keys, stored, strict=True) if ok])
         return stored
 
@@ -273,28 +203,31 @@ class TierStoreHiCacheStorage(_Base):
         targets = list(target_locations or [None] * len(keys))
         sizes = [t.numel() * t.element_size() if isinstance(t, torch.Tensor) else
                  self._pools[KV].page_bytes if KV in self._pools else 0 for t in targets]
-        out: list[torch.Tensor | None] = []
-        for start, values in self._fetch(self._ns(KV), keys, sizes):
-            out.extend(self._to_tensor(v, targets[i]) for i, v in enumerate(values, start))
+        out: list[torch.Tensor | None] = [None] * len(keys)
+
+        def take(i: int, value: torch.Tensor) -> bool:
+            out[i] = self._to_tensor(value, targets[i])
+            return out[i] is not None
+
+        self._io.read(self._ns(KV), keys, sizes, take)
         self._counters.record("get", len(keys), sum(t is not None for t in out),
                               sum(t.numel() * t.element_size() for t in out if t is not None),
                               time.perf_counter() - started)
         return out
 
-    def _to_tensor(self, value: bytes | None, target: Any) -> torch.Tensor | None:
-        if value is None:
-            return None
+    def _to_tensor(self, value: torch.Tensor, target: Any) -> torch.Tensor | None:
+        """``value`` (uint8, valid only now) copied into ``target`` or a fresh tensor."""
         if isinstance(target, torch.Tensor):
-            if target.numel() * target.element_size() != len(value):
+            if target.numel() * target.element_size() != value.numel():
                 self._log.warning("tierstore page of %d bytes does not fit a %d-byte target",
-                                  len(value), target.numel() * target.element_size())
+                                  value.numel(), target.numel() * target.element_size())
                 return None
-            target.copy_(torch.frombuffer(value, dtype=target.dtype).reshape(target.shape))
+            target.copy_(value.view(target.dtype).view(target.shape))
             return target
         info = self._pools.get(KV)
-        if info is not None and len(value) == info.page_bytes:
-            return torch.frombuffer(value, dtype=info.dtype).clone()
-        return torch.frombuffer(bytearray(value), dtype=torch.uint8)
+        if info is not None and value.numel() == info.page_bytes:
+            return value.view(info.dtype).clone()
+        return value.clone()
 
     @_shielded(lambda *_, **__: False)
     def set(self, key: str, value: Any = None, target_location: Any = None,
@@ -312,21 +245,26 @@ class TierStoreHiCacheStorage(_Base):
                               sum(v is not None for v in values))
             return False
         started = time.perf_counter()
-        blobs = [_as_buffer(v) for v in values]
-        stored = self._store(self._ns(KV), keys, [b.nbytes for b in blobs], blobs.__getitem__)
-        self._counters.record("set", len(keys), sum(stored), sum(b.nbytes for b in blobs),
+        flat = [_as_bytes(v) for v in values]
+
+        def fill(i: int, view: torch.Tensor) -> None:
+            view.copy_(flat[i])
+
+        sizes = [t.numel() for t in flat]
+        stored = self._store(self._ns(KV), keys, sizes, fill, lambda i: _as_buffer(flat[i]))
+        self._counters.record("set", len(keys), sum(stored), sum(sizes),
                               time.perf_counter() - started)
         return all(stored)
 
     @_shielded(lambda *_, **__: False)
     def exists(self, key: str) -> bool:
         """Whether the service holds ``key``."""
-        return self._count(self._ns(KV), [key]) == 1
+        return self._io.count(self._ns(KV), [key]) == 1
 
     @_shielded(lambda *_, **__: 0)
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         """How many of ``keys``, from the first, are stored (0 when unreachable)."""
-        return self._count(self._ns(KV), keys)
+        return self._io.count(self._ns(KV), keys)
 
     # ------------------------------------------------------------------ host-pool paths
     @_shielded(_no_pages)
@@ -373,19 +311,17 @@ class TierStoreHiCacheStorage(_Base):
         if offsets is None:
             return [False] * len(keys)
         info = self._pools[pool]
-        loaded = [False] * len(keys)
-        for start, values in self._fetch(self._ns(pool), [self._key(k, pool, info) for k in keys],
-                                         [info.page_bytes] * len(keys)):
-            for i, value in enumerate(values, start):
-                if value is None:
-                    continue
-                if len(value) != info.page_bytes:
-                    self._log.warning("tierstore %s page %s has %d bytes, expected %d", pool,
-                                      keys[i], len(value), info.page_bytes)
-                    continue
-                info.pool.set_from_flat_data_page(offsets[i],
-                                                  torch.frombuffer(value, dtype=info.dtype))
-                loaded[i] = True
+
+        def take(i: int, value: torch.Tensor) -> bool:
+            if value.numel() != info.page_bytes:
+                self._log.warning("tierstore %s page %s has %d bytes, expected %d", pool,
+                                  keys[i], value.numel(), info.page_bytes)
+                return False
+            info.pool.set_from_flat_data_page(offsets[i], value.view(info.dtype))
+            return True
+
+        loaded = self._io.read(self._ns(pool), [self._key(k, pool, info) for k in keys],
+                               [info.page_bytes] * len(keys), take)
         self._counters.record("get", len(keys), sum(loaded), sum(loaded) * info.page_bytes,
                               time.perf_counter() - started)
         return loaded
@@ -397,11 +333,14 @@ class TierStoreHiCacheStorage(_Base):
             return [False] * len(keys)
         info = self._pools[pool]
 
-        def page(i: int) -> memoryview:
+        def fill(i: int, view: torch.Tensor) -> None:
+            _copy_page(info.pool, offsets[i], view, info.dtype)
+
+        def blob(i: int) -> memoryview:
             return _as_buffer(info.pool.get_data_page(offsets[i], flat=True))
 
         stored = self._store(self._ns(pool), [self._key(k, pool, info) for k in keys],
-                             [info.page_bytes] * len(keys), page)
+                             [info.page_bytes] * len(keys), fill, blob)
         self._counters.record("set", len(keys), sum(stored), len(keys) * info.page_bytes,
                               time.perf_counter() - started)
         return stored
@@ -419,7 +358,7 @@ class TierStoreHiCacheStorage(_Base):
         KV page hashes of ``keys``. One existence request per pool (per ``max_batch`` keys).
         """
         keys = list(keys)
-        kv_pages = self._count(self._ns(KV), keys)
+        kv_pages = self._io.count(self._ns(KV), keys)
         hits: dict[Any, int] = {_sgl.PoolName.KV: kv_pages} if kv_pages else {}
         restorable = list(range(1, kv_pages + 1))
         for transfer in pool_transfers or []:
@@ -433,10 +372,10 @@ class TierStoreHiCacheStorage(_Base):
                 break
             ns, pool_keys = self._ns(name), [self._key(k, name, info) for k in keys[:kv_pages]]
             if transfer.hit_policy == _sgl.PoolHitPolicy.ALL_PAGES:
-                own = set(range(1, self._count(ns, pool_keys) + 1))
+                own = set(range(1, self._io.count(ns, pool_keys) + 1))
             elif transfer.hit_policy == _sgl.PoolHitPolicy.TRAILING_PAGES:
                 window = max(1, len(transfer.keys or []))
-                own = _window_ends(self._present(ns, pool_keys), window)
+                own = _window_ends(self._io.present(ns, pool_keys), window)
             else:
                 self._log.warning("tierstore: hit policy %s is not supported (pool %s)",
                                   transfer.hit_policy, name)
@@ -445,15 +384,6 @@ class TierStoreHiCacheStorage(_Base):
                 hits[transfer.name] = max(own)
             restorable = [p for p in restorable if p in own]
         return _sgl.PoolTransferResult(restorable[-1] if restorable else 0, hits, restorable)
-
-    def _present(self, ns: str, keys: Sequence[str]) -> list[bool]:
-        """Whether the service holds each key (absent where a request failed)."""
-        present: list[bool] = []
-        for part in _chunks([0] * len(keys), self.config.max_batch, 1):
-            chunk = list(keys[part])
-            got = self._request(None, functools.partial(self._client.exists_each, chunk, ns))
-            present += got if got is not None and len(got) == len(chunk) else [False] * len(chunk)
-        return present
 
     # ------------------------------------------------------------------ control
     @_shielded(lambda *_, **__: False)
@@ -468,10 +398,7 @@ class TierStoreHiCacheStorage(_Base):
             by_ns.setdefault(ns, []).append(key)
         ok = untracked == 0
         for ns, keys in by_ns.items():
-            for part in _chunks([0] * len(keys), self.config.max_batch, 1):
-                deleted = self._request(None, functools.partial(self._client.delete,
-                                                                keys[part], ns))
-                ok = ok and deleted is not None
+            ok = self._io.delete(ns, keys) and ok
         log.info("tierstore HiCache L3: cleared %d pages%s", len(written),
                  f" ({untracked} stored past the tracking limit remain)" if untracked else "")
         return ok
@@ -490,8 +417,8 @@ class TierStoreHiCacheStorage(_Base):
         return metrics
 
     def close(self) -> None:
-        """Close the client and its event-loop thread."""
-        self._client.close()
+        """Unmap the shared segment, close the client and its event-loop thread."""
+        self._io.close()
 
 
 def _window_ends(present: Sequence[bool], window: int) -> set[int]:
@@ -502,3 +429,24 @@ def _window_ends(present: Sequence[bool], window: int) -> set[int]:
         if run >= min(window, p):
             ends.add(p)
     return ends
+
+
+def _as_bytes(value: Any) -> torch.Tensor:
+    """A flat ``uint8`` CPU tensor over a tensor's (or bytes-like) bytes, no copy if possible."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
+    view = _as_buffer(value)
+    return torch.frombuffer(view, dtype=torch.uint8) if view.nbytes else \
+        torch.empty(0, dtype=torch.uint8)
+
+
+def _copy_page(pool: Any, index: int, out: torch.Tensor, dtype: torch.dtype) -> None:
+    """Host-pool page ``index`` as its flat data page into ``out`` (uint8): one strided copy
+    from the page's own view when the pool exposes one of the page's size (the flat page is
+    that view flattened), else through ``get_data_page(flat=True)``."""
+    page = pool.get_data_page(index, flat=False)
+    if isinstance(page, torch.Tensor) and page.dtype == dtype and \
+            page.numel() * page.element_size() == out.numel():
+        out.view(dtype).view(page.shape).copy_(page)
+    else:
+        out.copy_(_as_bytes(pool.get_data_page(index, flat=True)))
