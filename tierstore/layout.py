@@ -285,7 +285,7 @@ def layout_from_config(
     label = str(label)
     payload = {
         "name": label, "page_size": page_size, "tp": [tp_rank, tp_size], "window": window,
-        "layers": [full, swa, [list(r) for r in recurrent]],
+        "layers": [full, swa, [i for i, _ in recurrent]],
         "kv": _envelope_record(kv_env), "swa": _envelope_record(swa_env),
         "state": _envelope_record(state_env),
     }

@@ -368,6 +368,13 @@ def test_fingerprint_stable_and_sensitive() -> None:
     assert len(prints) == len(changed) + 1
 
 
+def test_fingerprints_of_existing_presets_do_not_move() -> None:
+    """Page keys fold in the fingerprint: a changed one orphans what Redis already holds."""
+    assert load_preset("qwen3-next-80b-a3b").fingerprint.startswith("257706bf1d44ae1d")
+    assert load_preset("nemotron-h-8b").fingerprint.startswith("671de5c1764de7e9")
+    assert load_preset("gpt-oss-20b").fingerprint.startswith("c88b6929bb69f73b")
+
+
 def _preset_config(name: str) -> dict[str, Any]:
     root = Path(__file__).resolve().parents[2] / "tierstore" / "presets"
     return dict(json.loads((root / f"{name}.json").read_text()))
