@@ -22,8 +22,9 @@ $(SGLANG_STAMP): $(STAMP)
 	$(BIN)/pip install -q --no-deps sglang==0.5.23
 	touch $(SGLANG_STAMP)
 
+# make demo DEMO_ARGS=--keep: the service and its dashboard stay up until Ctrl-C.
 demo: $(STAMP)
-	$(BIN)/tierstore demo
+	$(BIN)/tierstore demo $(DEMO_ARGS)
 
 test: $(STAMP) $(SGLANG_STAMP)
 	$(BIN)/python -m pytest -q tests

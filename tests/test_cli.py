@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -45,9 +46,20 @@ def test_python_m_tierstore_is_the_cli() -> None:
     assert done.returncode == 2 and "invalid choice" in done.stderr
 
 
-def test_demo_runs(capsys: pytest.CaptureFixture[str]) -> None:
+def test_demo_hits_every_tier_and_beats_gpu_only(redis_bin: str,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """What ``make demo`` shows: hits from L1, L2 and L3 (the private server), more than a
+    GPU-only cache on the same requests, the dashboard URL, the reference model's repeat."""
     assert main(["demo"]) == 0
-    assert "logits identical: True" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    rates = dict(re.findall(r"^  (L[123]) .*? ([\d.]+)%$", out, flags=re.MULTILINE))
+    assert set(rates) == {"L1", "L2", "L3"}, out
+    assert min(float(r) for r in rates.values()) > 0, rates
+    total = re.search(r"token hit rate ([\d.]+)%", out)
+    gpu_only = re.search(r"^GPU-only .* hit rate ([\d.]+)%", out, flags=re.MULTILINE)
+    assert total and gpu_only and float(total[1]) > float(gpu_only[1]), out
+    assert re.search(r"^dashboard: http://127\.0\.0\.1:\d+/dashboard", out, flags=re.MULTILINE)
+    assert "logits identical: True" in out
 
 
 def test_bench_split_json(redis_bin: str, capsys: pytest.CaptureFixture[str]) -> None:

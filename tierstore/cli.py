@@ -13,11 +13,10 @@ def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tierstore", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="run the quick-start demonstration")
-    demo.add_argument("--offline", action="store_true",
-                      help="library only: skip starting the service")
-
+    from tierstore import demo
     from tierstore.service import server
+
+    demo.add_arguments(sub.add_parser("demo", help="run the quick-start demonstration"))
 
     serve = sub.add_parser("serve", help="run the HTTP service")
     server.add_arguments(serve)
@@ -55,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from tierstore.demo import main as demo_main
 
-        return demo_main(offline=args.offline)
+        return demo_main(args)
     if args.command == "serve":
         from tierstore.service.server import serve
 
