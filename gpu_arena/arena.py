@@ -6,6 +6,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 
+import numpy as np
 import torch
 
 import kernels
@@ -138,7 +139,7 @@ class Arena:
         ids = self._ids(p, ids)
         if ids.numel() == 0:
             return
-        slots = p.release_ids(ids)
+        slots = p.release_ids(ids).numpy()
         if int(slots.max()) == p.hi - 1 or int(slots.min()) == p.lo:
             p.trim()
 
@@ -329,24 +330,37 @@ class Arena:
             raise ArenaError(f"unknown pool {name!r}; pools are {list(self._pools)}") from None
 
     def _ids(self, p: Pool, ids: IdsLike, *, check: bool = True) -> torch.Tensor:
-        """Validated 1-D CPU long tensor of ``ids``: in range, unique, live (when ``check``)."""
-        t = torch.as_tensor(ids).detach()
-        if t.dim() != 1 or (t.numel() and (t.dtype.is_floating_point or t.dtype == torch.bool)):
+        """Validated 1-D CPU long tensor of ``ids``: in range, unique, live (when ``check``).
+        The checks run on a numpy view: a few ids cost a few µs, not a few torch dispatches."""
+        if isinstance(ids, torch.Tensor):
+            t = ids.detach()
+            bad_type = t.dtype.is_floating_point or t.dtype == torch.bool or t.dtype.is_complex
+        else:
+            a = np.asarray(ids)
+            bad_type = a.dtype.kind not in "iu"
+            if bad_type and a.size:
+                raise ArenaError(f"pool {p.name!r}: ids must be a 1-D integer tensor, got "
+                                 f"{a.dtype} of shape {a.shape}")
+            t = torch.from_numpy(a.astype(np.int64))
+        if t.dim() != 1 or (t.numel() and bad_type):
             raise ArenaError(f"pool {p.name!r}: ids must be a 1-D integer tensor, got {t.dtype} "
                              f"of shape {tuple(t.shape)}")
         t = t.to("cpu", torch.long)
         if not check or t.numel() == 0:
             return t
-        bad = (t < 0) | (t >= p.max_slots)
-        if bool(bad.any()):
-            raise ArenaError(f"pool {p.name!r}: {int(bad.sum())} of {t.numel()} ids outside "
-                             f"[0, {p.max_slots}), first {int(t[bad][0])}")
-        if t.numel() > 1 and t.unique().numel() != t.numel():
-            raise ArenaError(f"pool {p.name!r}: {t.numel() - t.unique().numel()} repeated ids")
-        dead = p.loc[t] < 0
-        if bool(dead.any()):
-            raise ArenaError(f"pool {p.name!r}: {int(dead.sum())} of {t.numel()} ids are not "
-                             f"live (already freed or never allocated), first {int(t[dead][0])}")
+        a = t.numpy()
+        lo, hi = int(a.min()), int(a.max())
+        if lo < 0 or hi >= p.max_slots:
+            bad = a[(a < 0) | (a >= p.max_slots)]
+            raise ArenaError(f"pool {p.name!r}: {bad.size} of {a.size} ids outside "
+                             f"[0, {p.max_slots}), first {int(bad[0])}")
+        unique = len(set(a.tolist())) if a.size <= 256 else int(np.unique(a).size)
+        if unique != a.size:
+            raise ArenaError(f"pool {p.name!r}: {a.size - unique} repeated ids")
+        dead = p.loc_np[a] < 0
+        if dead.any():
+            raise ArenaError(f"pool {p.name!r}: {int(dead.sum())} of {a.size} ids are not "
+                             f"live (already freed or never allocated), first {int(a[dead][0])}")
         return t
 
     def _limits(self, p: Pool) -> tuple[int, int]:
@@ -366,10 +380,10 @@ class Arena:
     def _direct(self, p: Pool, n: int) -> torch.Tensor | None:
         """Slots for ``n`` new blocks from holes and the adjacent gap, growing the band; ``None``
         (nothing changed) when they do not fit without moving blocks."""
-        holes = p.nearest_holes(n)
-        need = n - holes.numel()
+        n_holes = min(n, p.num_holes)
+        need = n - n_holes
         if need == 0:
-            return holes
+            return p.take_holes(n)
         lower, upper = self._limits(p)
         first_fit = max(0, ceil_div(lower - p.origin, p.unit))  # lowest slot above `lower`
         last_fit = (upper - p.origin) // p.unit  # one past the highest slot below `upper`
@@ -381,6 +395,7 @@ class Arena:
         down = p.lo - first_fit if p.anchor != "low" else 0
         if up + down < need or (p.hi - p.lo) + need > p.cap:
             return None
+        holes = p.take_holes(n_holes)
         n_up = min(up, need)
         n_down = need - n_up
         new = torch.cat([torch.arange(p.lo - n_down, p.lo), torch.arange(p.hi, p.hi + n_up)])

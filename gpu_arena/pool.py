@@ -38,6 +38,11 @@ class Pool:
         self.writers = torch.zeros(max_slots, dtype=torch.int32)
         # Free virtual ids as a stack: popping from the top hands out 0, 1, 2, ... first.
         self.free_ids = torch.arange(max_slots - 1, -1, -1, dtype=_LONG)
+        # Zero-copy numpy views of the tables: a few-element update costs ~1 µs through numpy
+        # and several through torch, and the hot paths (alloc, free) are a few elements.
+        self.loc_np = self.loc.numpy()
+        self.owner_np = self.owner.numpy()
+        self._free_np = self.free_ids.numpy()
         self.num_free_ids = max_slots
         self.num_live = 0
         self.num_pending = 0
@@ -84,11 +89,11 @@ class Pool:
         idx = torch.nonzero(~self.occupied(self.lo, self.hi)).flatten() + self.lo
         return idx.flip(0) if self.anchor == "high" else idx
 
-    def nearest_holes(self, n: int) -> torch.Tensor:
-        """The (up to) ``n`` reusable slots nearest the anchor, in that order: the first ``n``
-        of :meth:`holes`, found from the hole heap without scanning the band. Changes no
-        table."""
-        n = min(n, self.num_holes)
+    def take_holes(self, n: int) -> torch.Tensor:
+        """The ``n`` (at most :attr:`num_holes`) reusable slots nearest the anchor, in that
+        order — the first ``n`` of :meth:`holes` — found from the hole heap without scanning
+        the band, and taken off it: the caller binds ids to them (:meth:`take_ids`)."""
+        assert n <= self.num_holes, f"pool {self.name}: {n} holes wanted, {self.num_holes} exist"
         if n == 0:
             return torch.empty(0, dtype=_LONG)
         heap, sign = self._hole_heap, -1 if self.anchor == "high" else 1
@@ -101,14 +106,12 @@ class Pool:
                 if slot not in seen:
                     seen.add(slot)
                     batch.append(slot)
-            t = torch.tensor(batch, dtype=_LONG)
-            inside = (t >= self.lo) & (t < self.hi)
-            ok = inside & (self.owner[t] < 0)
-            if self.fenced_refs:
-                ok &= ~self._fenced_at(t)
-            found += t[ok].tolist()
-        for slot in found:  # still holes until the caller takes them: stale entries then
-            heapq.heappush(heap, sign * slot)
+            owner, lo, hi = self.owner_np, self.lo, self.hi
+            ok = [s for s in batch if lo <= s < hi and owner[s] < 0]
+            if self.fenced_refs and ok:
+                ok = [s for s, f in zip(ok, self._fenced_at(torch.tensor(ok)).tolist(),
+                                        strict=True) if not f]
+            found += ok
         assert len(found) == n, f"pool {self.name}: hole heap found {len(found)} of {n} holes"
         return torch.tensor(found, dtype=_LONG)
 
@@ -118,9 +121,9 @@ class Pool:
         if len(heap) > 4 * (self.num_holes + slots.numel()) + 4096:
             self.rebuild_holes()  # mostly stale: start again from the band (amortised O(1))
             return
-        sign = -1 if self.anchor == "high" else 1
-        for slot in slots.tolist():
-            heapq.heappush(heap, sign * slot)
+        push = heapq.heappush
+        for slot in (-slots if self.anchor == "high" else slots).tolist():
+            push(heap, slot)
 
     def rebuild_holes(self) -> None:
         """Reset the hole heap from a scan of the band (after compaction re-cuts the band)."""
@@ -155,24 +158,29 @@ class Pool:
         """Bind fresh virtual ids to ``slots`` (free, reusable) and return the ids."""
         n = slots.numel()
         assert n <= self.num_free_ids, f"pool {self.name}: {n} ids wanted, {self.num_free_ids} free"
-        ids = self.free_ids[self.num_free_ids - n : self.num_free_ids].flip(0).clone()
+        top = self.num_free_ids
+        ids = self._free_np[top - n : top][::-1].copy()
         self.num_free_ids -= n
-        self.loc[ids] = slots
-        self.owner[slots] = ids
+        slots_np = slots.numpy()
+        self.loc_np[ids] = slots_np
+        self.owner_np[slots_np] = ids
         self.num_live += n
-        self._log(ids)
-        return ids
+        out = torch.from_numpy(ids)
+        self._log(out)
+        return out
 
     def release_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Unbind live ``ids``; return their slots (now free, pending where fenced)."""
-        slots = self.loc[ids]
-        self.owner[slots] = -1
-        self.loc[ids] = -1
-        n = ids.numel()
-        self.free_ids[self.num_free_ids : self.num_free_ids + n] = ids.flip(0)
+        ids_np = ids.numpy()
+        slots_np = self.loc_np[ids_np]
+        self.owner_np[slots_np] = -1
+        self.loc_np[ids_np] = -1
+        n = ids_np.size
+        self._free_np[self.num_free_ids : self.num_free_ids + n] = ids_np[::-1]
         self.num_free_ids += n
         self.num_live -= n
         self._log(ids)
+        slots = torch.from_numpy(slots_np)
         if self.fenced_refs:
             self.num_pending += int(self._fenced_at(slots).sum())
         self._add_holes(slots)
