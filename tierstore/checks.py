@@ -48,7 +48,7 @@ def ids(kind: str, kinds: Sequence[str], value: Blocks) -> list[int]:
         raise ShapeError(f"kind {kind!r} is not in this layout; kinds: {tuple(kinds)}")
     t = blocks(kind, kinds, value if value is not None else [], unit_bytes=None)
     assert t is not None
-    return t.tolist()  # type: ignore[no-any-return]
+    return t.tolist()
 
 
 def blocks(kind: str, kinds: Sequence[str], value: object, unit_bytes: int | None

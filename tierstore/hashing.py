@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Literal
 
@@ -66,35 +67,78 @@ def as_tokens(tokens: object) -> np.ndarray:
 
 
 class PageHasher:
-    """Computes chained page keys for one (namespace, model, layout) salt."""
+    """Computes chained page keys for one (namespace, model, layout) salt.
+
+    Keys are a pure function of the salt and the tokens, so the hasher remembers the keys of
+    recent prompts (``memo_bytes`` of packed tokens at most, least recently used out): a prompt
+    sharing leading pages with a remembered one (the same request's insert after its match, a
+    shared system prompt) hashes only the pages after the shared run."""
 
     def __init__(
         self, model_fingerprint: str, layout_fingerprint: str, page_size: int,
-        algorithm: HashName = "sha256",
+        algorithm: HashName = "sha256", *, memo_bytes: int = 16 << 20,
     ) -> None:
         if algorithm not in ("sha256", "xxh3"):
             raise ValueError(f"hash algorithm must be 'sha256' or 'xxh3', got {algorithm!r}")
         self.page_size = page_size
         self.algorithm = algorithm
         self._prefix = f"tierstore/v1|{model_fingerprint}|{layout_fingerprint}|".encode()
-
-    def _digest(self, data: bytes) -> bytes:
-        if self.algorithm == "sha256":
-            return hashlib.sha256(data).digest()
-        return xxhash.xxh3_128_digest(data)
+        self._digest = hashlib.sha256 if algorithm == "sha256" else xxhash.xxh3_128
+        self._memo_bytes = memo_bytes
+        self._memo_used = 0
+        # (namespace, first page's packed tokens) -> (packed tokens, their page keys)
+        self._memo: OrderedDict[tuple[str, bytes], tuple[bytes, list[bytes]]] = OrderedDict()
+        self._roots: dict[str, bytes] = {}
 
     def root(self, namespace: str) -> bytes:
         """``h_0``: the salt's hash for ``namespace``."""
-        return self._digest(self._prefix + check_namespace(namespace).encode())
+        h = self._roots.get(namespace)
+        if h is None:
+            h = self._digest(self._prefix + check_namespace(namespace).encode()).digest()
+            if len(self._roots) < 4096:
+                self._roots[namespace] = h
+        return h
 
     def pages(self, tokens: np.ndarray, namespace: str) -> list[bytes]:
         """Keys of every full page of ``tokens`` (a trailing partial page gets none)."""
         n = len(tokens) // self.page_size
-        packed = tokens[: n * self.page_size].astype("<u4", copy=False).tobytes()
+        if n == 0:
+            return []
         step = self.page_size * 4
+        packed = tokens[: n * self.page_size].astype("<u4", copy=False).tobytes()
+        memo_key = (namespace, packed[:step])
+        seen = self._memo.get(memo_key)
         keys: list[bytes] = []
-        h = self.root(namespace)
-        for i in range(n):
-            h = self._digest(h + packed[i * step : (i + 1) * step])
+        if seen is not None:
+            seen_packed, seen_keys = seen
+            if seen_packed.startswith(packed):
+                self._memo.move_to_end(memo_key)
+                return seen_keys[:n]
+            if packed.startswith(seen_packed):
+                keys = list(seen_keys)
+            else:  # the shared leading pages
+                shared = 1
+                limit = min(n, len(seen_keys))
+                while shared < limit and packed[shared * step : (shared + 1) * step] \
+                        == seen_packed[shared * step : (shared + 1) * step]:
+                    shared += 1
+                keys = seen_keys[:shared]
+        h = keys[-1] if keys else self.root(namespace)
+        digest = self._digest
+        for i in range(len(keys), n):
+            h = digest(h + packed[i * step : (i + 1) * step]).digest()
             keys.append(h)
+        self._remember(memo_key, packed, keys)
         return keys
+
+    def _remember(self, memo_key: tuple[str, bytes], packed: bytes, keys: list[bytes]) -> None:
+        if len(packed) > self._memo_bytes // 4:
+            return
+        old = self._memo.pop(memo_key, None)
+        if old is not None:
+            self._memo_used -= len(old[0])
+        self._memo[memo_key] = (packed, keys)
+        self._memo_used += len(packed)
+        while self._memo_used > self._memo_bytes:
+            _, (gone, _) = self._memo.popitem(last=False)
+            self._memo_used -= len(gone)
