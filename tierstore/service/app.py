@@ -266,37 +266,22 @@ class Service:
 
     def _fetch(self, tokens: Any, namespace: str) -> tuple[list[Any], Callable[[], None]]:
         """Match (promoting into L1) and describe the response as chunks that point straight
-        into the arena's rows. Read fences keep those rows in place (no compaction move, no
-        reuse) and the lease keeps them cached until ``done`` runs on the store thread."""
-        store = self.store
-        result = store.match(tokens, namespace)
-        fences = []
-        views: dict[str, list[memoryview]] = {}
+        into the arena's rows: the store's prefix read keeps them in place and cached until
+        ``done`` runs on the store thread."""
+        read = self.store.read_prefix(tokens, namespace)
         try:
-            for kind, ids in (("kv", result.kv.tolist()),
-                              ("swa", [i for i in result.swa.tolist() if i >= 0]),
-                              ("state", [] if result.state is None else [result.state])):
-                if ids and kind in store.kinds:
-                    fences.append(store.arena.fence(kind, ids, "read"))
-                    views[kind] = _views(store.arena.rows(kind, ids))
-            swa_rows = iter(views.get("swa", []))
+            result, rows = read.match, read.rows
+            swa = rows.get("swa") or [None] * len(result.swa)
             payload = {"matched_tokens": result.tokens, "pages": result.pages,
                        "checkpoint": result.tokens if result.state is not None else None,
-                       "tiers": result.tiers, "kv": views.get("kv", []),
-                       "swa": [next(swa_rows) if i >= 0 else None for i in result.swa.tolist()],
-                       "state": views["state"][0] if "state" in views else None}
+                       "tiers": result.tiers, "kv": [_view(r) for r in rows.get("kv", [])],
+                       "swa": [None if r is None else _view(r) for r in swa],
+                       "state": _view(rows["state"][0]) if "state" in rows else None}
             chunks = msgpack_chunks(payload)
         except BaseException:
-            self._fetched(result.lease, fences)
+            read.close()
             raise
-
-        return chunks, functools.partial(self._fetched, result.lease, fences)
-
-    def _fetched(self, lease: Any, fences: list[Any]) -> None:
-        for fence in fences:
-            fence.complete()
-        if lease is not None:
-            self.store.release(lease)
+        return chunks, read.close
 
     async def insert(self, request: web.Request) -> web.Response:
         body = await read_body(request)
@@ -383,5 +368,6 @@ async def _stream(request: web.Request, chunks: list[Any]) -> web.StreamResponse
     return response
 
 
-def _views(rows: list[torch.Tensor]) -> list[memoryview]:
-    return [memoryview(row.numpy()).cast("B") for row in rows]  # type: ignore[arg-type]
+def _view(row: torch.Tensor | None) -> memoryview:
+    assert row is not None
+    return memoryview(row.numpy()).cast("B")  # type: ignore[arg-type]
