@@ -47,6 +47,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         choices=["write_back", "write_through", "write_through_selective"])
     parser.add_argument("--max-body", default="1GiB", help="largest request body")
     parser.add_argument("--lease-ttl", type=float, default=30.0, help="seconds a lease lives")
+    limits = ServiceConfig()
+    parser.add_argument("--max-connections", type=int, default=limits.max_connections,
+                        help="open connections; beyond, the longest-idle one is closed")
+    parser.add_argument("--idle-timeout", type=float, default=limits.keepalive_timeout_s,
+                        help="seconds an idle keep-alive connection stays open")
+    parser.add_argument("--header-timeout", type=float, default=limits.header_timeout_s,
+                        help="seconds from a request's first byte to its last header (408)")
+    parser.add_argument("--body-timeout", type=float, default=limits.body_timeout_s,
+                        help="seconds to receive a request body (408)")
 
 
 def _layout(args: argparse.Namespace) -> ModelLayout:
@@ -101,7 +110,11 @@ def build(args: argparse.Namespace, stack: ExitStack) -> tuple[Service, ServiceC
     service_config = ServiceConfig(host=args.host, port=args.port,
                                    auth_token=args.auth_token or env.auth_token,
                                    max_body_bytes=parse_size(args.max_body),
-                                   lease_ttl_s=args.lease_ttl)
+                                   lease_ttl_s=args.lease_ttl,
+                                   max_connections=args.max_connections,
+                                   keepalive_timeout_s=args.idle_timeout,
+                                   header_timeout_s=args.header_timeout,
+                                   body_timeout_s=args.body_timeout)
     kv_remote = RemoteTierConfig(url=redis_url, key_prefix="tskv") if redis_url else None
     return Service(store, service_config, kv_remote), service_config
 
