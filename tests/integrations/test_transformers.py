@@ -343,3 +343,21 @@ def test_the_prefilled_cache_decodes_on(arch: str) -> None:
         step = m(torch.tensor([[nxt]]), past_key_values=out.cache).logits[0, -1]
         full = m(torch.tensor([[*second_prompt(), nxt]])).logits[0, -1]
     assert torch.allclose(step, full, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(("arch", "reused"), [("gpt_oss", 8), ("nemotron_h", 0)])
+def test_a_shorter_shared_prefix(arch: str, reused: int) -> None:
+    """Without recurrent state a prefix may end at any page, so every SWA page is kept and a
+    prompt sharing 10 tokens reuses 8; a hybrid can only resume at a checkpoint (here 20)."""
+    m = model(arch)
+    layout = model_layout(m, page_size=PAGE)
+    store = TierStore(layout, StoreConfig(capacity_bytes=64 * footprint(layout)))
+    pc = PrefixCache(m, LibraryBackend(store), layout)
+    pc.prefill(first_prompt())
+    prompt = first_prompt()[:10] + tokens(9, 12)
+    out = pc.prefill(prompt)
+    assert out.cached_tokens == reused
+    with torch.no_grad():
+        full = m(torch.tensor([prompt])).logits[0, reused:]
+    assert torch.allclose(out.logits, full, atol=1e-5, rtol=0)
+    store.check_integrity()

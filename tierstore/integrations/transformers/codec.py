@@ -138,7 +138,9 @@ class CacheCodec:
     # ------------------------------------------------------------------ encode
     def encode(self, cache: DynamicCache, n_tokens: int) -> Envelopes:
         """The envelopes of the first ``n_tokens`` (page-aligned, all of ``cache``): every KV
-        page, the SWA pages of the window before ``n_tokens``, the recurrent checkpoint."""
+        page, the SWA pages of the window before ``n_tokens`` (without recurrent state, where a
+        prefix can end at any page, every SWA page the cache still holds) and the recurrent
+        checkpoint."""
         page = self.layout.page_size
         if n_tokens <= 0 or n_tokens % page:
             raise LayoutError(f"n_tokens = {n_tokens} must be a positive multiple of the page "
@@ -150,6 +152,9 @@ class CacheCodec:
             kv = self._encode_attention(cache, self.layout.kv, self.layout.full_layers, pages, 0)
         if self.layout.swa is not None:
             first = max(0, pages - self.layout.swa_window_pages())
+            if self.layout.state is None:  # a match may end at any page: keep all SWA pages held
+                held = min(_tensor(cache, i, "keys").shape[2] for i in self.layout.swa_layers)
+                first = min(first, pages - held // page)
             swa = self._encode_attention(cache, self.layout.swa, self.layout.swa_layers,
                                          pages - first, n_tokens - first * page)
         if self.layout.state is not None:
