@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -216,12 +217,29 @@ class ServiceProcess:
                         return
             except OSError:
                 time.sleep(0.1)
-        raise RuntimeError(f"the service did not come up; log: {self._log}")
+        with open(self._log, "rb") as log:
+            tail = log.read()[-3000:].decode(errors="replace")
+        raise RuntimeError(f"the service did not come up in {timeout_s} s; its log ends:\n{tail}")
 
     def kill(self) -> None:
+        """SIGKILL the service, then remove the shared-memory segments it had mapped (a
+        killed service cannot unlink them, and each holds its host copy's memory)."""
         if self.proc is not None and self.proc.poll() is None:
+            segments = self._shm_segments()
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait()
+            for path in segments:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+
+    def _shm_segments(self) -> set[str]:
+        assert self.proc is not None
+        try:
+            with open(f"/proc/{self.proc.pid}/maps") as f:
+                return {line.split(None, 5)[5].strip() for line in f
+                        if " /dev/shm/tierstore-" in line}
+        except OSError:
+            return set()
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
