@@ -46,7 +46,10 @@ class SharedSegment:
         self.nonce = nonce
         self.owner = owner
         self.nbytes = total - HEADER_BYTES
-        self._map: mmap.mmap | None = mmap.mmap(fd, total, mmap.MAP_SHARED,
+        # MAP_POPULATE maps every page now: first touches of a fresh mapping otherwise cost a
+        # fault per 4 KiB inside the copies.
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        self._map: mmap.mmap | None = mmap.mmap(fd, total, flags,
                                                 mmap.PROT_READ | mmap.PROT_WRITE)
         os.close(fd)
         full = torch.frombuffer(self._map, dtype=torch.uint8)

@@ -15,6 +15,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from host_tier.shm import SharedSegment, ShmError
@@ -134,7 +135,7 @@ class SharedMemoryTransport:
         flat = [_as_bytes(v) for v in values]
 
         def fill(i: int, view: torch.Tensor) -> None:
-            view.copy_(flat[i])
+            copy_bytes(view, flat[i])
 
         return self.put_from(keys, [t.numel() for t in flat], namespace, fill)
 
@@ -150,6 +151,19 @@ class SharedMemoryTransport:
     def close(self) -> None:
         """Unmap the segment (the service keeps it)."""
         self.segment.close()
+
+
+def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)``; between contiguous CPU tensors of one dtype and shape a plain
+    single-threaded memcpy (numpy, GIL released): torch splits a copy across its intra-op
+    threads, which stalls for milliseconds when a core is busy (measured: 0.3 vs 5 GiB/s on
+    2 loaded cores)."""
+    if dst.device.type == src.device.type == "cpu" and dst.dtype == src.dtype and \
+            dst.shape == src.shape and dst.is_contiguous() and src.is_contiguous():
+        np.copyto(dst.reshape(-1).view(torch.uint8).numpy(),
+                  src.reshape(-1).view(torch.uint8).numpy())
+    else:
+        dst.copy_(src)
 
 
 def _as_bytes(value: Any) -> torch.Tensor:

@@ -520,7 +520,8 @@ def test_bench_runs_small(redis_bin: str) -> None:
     bench.add_arguments(parser)
     result = bench.run(parser.parse_args(["--page-tokens", "4", "--batch", "4", "--batches",
                                           "2", "--rounds", "1"]))
-    assert result["available"] and [r["backend"] for r in result["rows"]] == [
-        "HiCacheFile", "tierstore", "tierstore, Redis gets"]
+    names = ["HiCacheFile", "tierstore shm", "tierstore http", "tierstore, Redis gets"]
+    assert result["available"] and [(r["backend"], r["path"]) for r in result["rows"]] == [
+        (name, path) for path in ("generic", "v1") for name in names]
     assert all(r["set_pages_s"] > 0 and r["get_pages_s"] > 0 for r in result["rows"])
-    assert "tierstore / HiCacheFile" in bench.render(result)
+    assert "tierstore shm (v1) / HiCacheFile" in bench.render(result)

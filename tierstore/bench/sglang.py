@@ -2,21 +2,30 @@
 SGLang's own HiCacheFile backend on a local directory, same pages, same run.
 
 Pages are one SGLang page of a preset's full-attention KV (``--page-tokens`` tokens, bf16, one
-TP rank), ``--batch`` per call (SGLang's ``STORAGE_BATCH_SIZE`` is 128). Contenders, each built
-by SGLang's ``StorageBackendFactory`` and measured in interleaved rounds (median):
+TP rank), ``--batch`` per call (SGLang's ``STORAGE_BATCH_SIZE`` is 128), through two paths:
+``generic`` (``batch_set`` of tensors, ``batch_get`` into preallocated targets) and ``v1``
+(``batch_set_v1`` / ``batch_get_v1`` between a registered ``page_first`` host pool and the
+store). Contenders, each built by SGLang's ``StorageBackendFactory`` and measured in
+interleaved rounds (median):
 
 - ``HiCacheFile``: one file per page in a temporary directory (through the OS page cache, no
   fsync, as SGLang runs it);
-- ``tierstore``: the adapter against an in-process ``tierstore serve`` whose storage API keeps
-  a host LRU copy and writes every page through to a private redis-server (gets hit the LRU);
-- ``tierstore, Redis gets``: the same with a host LRU too small to hold a page, so every get
-  comes from Redis.
+- ``tierstore shm``: the adapter against an in-process ``tierstore serve`` whose storage API
+  keeps a host LRU copy in a shared segment and writes every page through to a private
+  redis-server; the adapter maps the segment and copies pages itself (gets hit the LRU);
+- ``tierstore http``: the same service, the adapter told ``transport: http`` (every page
+  crosses HTTP);
+- ``tierstore, Redis gets``: a host LRU too small to hold a page, so every get comes from
+  Redis (over HTTP).
 
 The in-process services share the interpreter (and its GIL) with the adapter; ``--url``
 measures a ``tierstore serve`` running in its own process instead, as SGLang would use it.
 
-Each round writes fresh keys, reads them back into preallocated pages (checking the bytes of
-one), then clears both stores. Needs SGLang (``pip install --no-deps sglang==0.5.23`` and
+Each round writes fresh keys, waits (untimed, reported as ``redis_drain_ms``) until the
+service's background Redis writes of them are done, reads them back (checking bytes), then
+clears the store. A set counts as done when the service holds the pages in host memory (shm
+commits write to Redis behind; HTTP sets wait for Redis). Needs SGLang
+(``pip install --no-deps sglang==0.5.23`` and
 ``pip install 'tierstore[sglang]'``) and ``redis-server``.
 """
 
@@ -36,6 +45,7 @@ import torch
 from remote_tier import RemoteTierConfig
 from tierstore.bench._util import table
 from tierstore.config import StoreConfig
+from tierstore.integrations.sglang import TierStoreHiCacheStorage
 from tierstore.layout import load_preset, preset_names
 from tierstore.service.config import ServiceConfig
 from tierstore.store import TierStore
@@ -59,6 +69,85 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "of the in-process ones; token from TIERSTORE_AUTH_TOKEN")
 
 
+class _HostPool:
+    """A ``page_first`` host KV pool of SGLang's shape (``[2, slots, 1, 1, dim]``, bf16) whose
+    pages have the preset's bytes, for the ``*_v1`` paths (SGLang's own host pools import the
+    serving stack)."""
+
+    layout, layer_num, head_num = "page_first", 1, 1
+    dtype = torch.bfloat16
+
+    def __init__(self, page_size: int, page_bytes: int, pages: int) -> None:
+        self.page_size = page_size
+        self.head_dim = page_bytes // (2 * page_size * 2)
+        self.size_per_token = 2 * self.head_dim * 2
+        self.kv_buffer = torch.zeros((2, pages * page_size, 1, 1, self.head_dim),
+                                     dtype=self.dtype)
+
+    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
+        page = self.kv_buffer[:, index:index + self.page_size]
+        return page.flatten() if flat else page
+
+    def get_dummy_flat_data_page(self) -> torch.Tensor:
+        return torch.zeros(2 * self.page_size * self.head_dim, dtype=self.dtype)
+
+    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
+        page = self.kv_buffer[:, index:index + self.page_size]
+        page.copy_(data_page.reshape(page.shape))
+
+
+class _Generic:
+    """``batch_set`` of tensors, ``batch_get`` into preallocated targets."""
+
+    def __init__(self, pages: list[torch.Tensor]) -> None:
+        self.pages, self.num_pages = pages, len(pages)
+        self.targets = [torch.empty_like(p) for p in pages]
+
+    def set(self, backend: Any, keys: list[str]) -> bool:
+        return bool(backend.batch_set(keys, self.pages))
+
+    def get(self, backend: Any, keys: list[str]) -> bool:
+        return all(t is not None for t in backend.batch_get(keys, self.targets))
+
+    def check(self) -> bool:
+        return torch.equal(self.targets[-1].view(torch.int16), self.pages[-1].view(torch.int16))
+
+
+class _V1:
+    """Pages from the first half of the host pool to the store and back into the second half,
+    as SGLang's cache controller moves them: ``batch_set_v1`` / ``batch_get_v1`` on a backend
+    that implements them (tierstore), else its generic path (HiCacheFile has no v1: the
+    controller copies each page out with ``get_data_page`` and in with a dummy page and
+    ``set_from_flat_data_page``)."""
+
+    def __init__(self, pool: _HostPool, batch: int) -> None:
+        self.pool, self.num_pages, n = pool, batch, batch * pool.page_size
+        self.src, self.dst = torch.arange(n), torch.arange(n, 2 * n)
+
+    def set(self, backend: Any, keys: list[str]) -> bool:
+        if isinstance(backend, TierStoreHiCacheStorage):
+            return all(backend.batch_set_v1(keys, self.src))
+        size = self.pool.page_size
+        return bool(backend.batch_set(keys, [self.pool.get_data_page(int(self.src[i * size]))
+                                             for i in range(len(keys))]))
+
+    def get(self, backend: Any, keys: list[str]) -> bool:
+        if isinstance(backend, TierStoreHiCacheStorage):
+            return all(backend.batch_get_v1(keys, self.dst))
+        size = self.pool.page_size
+        got = backend.batch_get(keys, [self.pool.get_dummy_flat_data_page() for _ in keys])
+        for i, page in enumerate(got):
+            if page is None:
+                return False
+            self.pool.set_from_flat_data_page(int(self.dst[i * size]), page)
+        return True
+
+    def check(self) -> bool:
+        half = self.src.numel()
+        return torch.equal(self.pool.kv_buffer[:, :half].view(torch.int16),
+                           self.pool.kv_buffer[:, half:].view(torch.int16))
+
+
 def run(args: argparse.Namespace) -> dict:
     try:
         from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
@@ -72,7 +161,10 @@ def run(args: argparse.Namespace) -> dict:
     g = torch.Generator().manual_seed(0)
     pages = [torch.randn(page_bytes // 2, generator=g).to(torch.bfloat16)
              for _ in range(args.batch)]
-    targets = [torch.empty_like(p) for p in pages]
+    pool = _HostPool(args.page_tokens, page_bytes, 2 * args.batch)
+    pool.kv_buffer[:, :args.batch * args.page_tokens] = torch.randn(
+        (2, args.batch * args.page_tokens, 1, 1, pool.head_dim), generator=g)
+    ops: dict[str, Any] = {"generic": _Generic(pages), "v1": _V1(pool, args.batch)}
 
     def storage_config(extra: dict[str, Any]) -> Any:
         return HiCacheStorageConfig(
@@ -93,22 +185,31 @@ def run(args: argparse.Namespace) -> dict:
         redis = None if args.url else stack.enter_context(RedisServer())
         services = [] if redis is None else [service(redis, "bench-lru", 2 * working_set),
                                              service(redis, "bench-r", 1)]
-        urls = {f"tierstore at {args.url}": args.url} if args.url else {
-            "tierstore": services[0].url, "tierstore, Redis gets": services[1].url}
+        urls = {f"tierstore at {args.url}": (args.url, "auto", None)} if args.url else {
+            "tierstore shm": (services[0].url, "shm", services[0]),
+            "tierstore http": (services[0].url, "http", services[0]),
+            "tierstore, Redis gets": (services[1].url, "http", services[1])}
         try:
             backends = {"HiCacheFile": StorageBackendFactory.create_backend(
                 "file", storage_config({"file_storage_path": tmp}), None)}
-            for label, url in urls.items():
+            drains: dict[str, RunningService | None] = {"HiCacheFile": None}
+            for label, (url, transport, svc) in urls.items():
                 backends[label] = StorageBackendFactory.create_backend("dynamic", storage_config(
                     {"backend_name": "tierstore", "module_path": "tierstore.integrations.sglang",
-                     "class_name": "TierStoreHiCacheStorage", "url": url}), None)
-            samples: dict[str, dict[str, list[float]]] = {
-                name: {"set": [], "get": []} for name in backends}
+                     "class_name": "TierStoreHiCacheStorage", "url": url,
+                     "transport": transport}), None)
+                drains[label] = svc
+            for backend in backends.values():
+                backend.register_mem_pool_host(pool)
+            samples: dict[tuple[str, str], dict[str, list[float]]] = {
+                (name, path): {"set": [], "get": [], "drain": []}
+                for path in ops for name in backends}
             for r in range(args.rounds):
-                for name, backend in backends.items():
-                    set_s, get_s = _round(backend, f"{r}/{name}", pages, targets, args.batches)
-                    samples[name]["set"].append(set_s)
-                    samples[name]["get"].append(get_s)
+                for (name, path), sample in samples.items():
+                    timed = _round(backends[name], f"{r}/{name}/{path}", ops[path],
+                                   args.batches, drains[name])
+                    for what, seconds in zip(("set", "get", "drain"), timed, strict=True):
+                        sample[what].append(seconds)
             for name, backend in backends.items():
                 if name != "HiCacheFile":
                     backend.close()
@@ -119,37 +220,43 @@ def run(args: argparse.Namespace) -> dict:
 
     moved = args.batch * args.batches
     rows = []
-    for name, s in samples.items():
+    for (name, path), s in samples.items():
         set_s, get_s = statistics.median(s["set"]), statistics.median(s["get"])
-        rows.append({"backend": name, "set_pages_s": moved / set_s,
+        rows.append({"backend": name, "path": path, "set_pages_s": moved / set_s,
                      "set_mb_s": moved * page_bytes / set_s / 1e6,
-                     "get_pages_s": moved / get_s, "get_mb_s": moved * page_bytes / get_s / 1e6})
-    file_row = rows[0]
+                     "get_pages_s": moved / get_s, "get_mb_s": moved * page_bytes / get_s / 1e6,
+                     "redis_drain_ms": statistics.median(s["drain"]) * 1e3})
+    file_rows = {r["path"]: r for r in rows if r["backend"] == "HiCacheFile"}
     return {"available": True, "preset": args.preset, "page_tokens": args.page_tokens,
             "tp_size": args.tp_size, "page_bytes": page_bytes, "batch_pages": args.batch,
             "batches": args.batches, "rounds": args.rounds, "file_fs": fs, "rows": rows,
-            "vs_file": {r["backend"]: {"set": r["set_pages_s"] / file_row["set_pages_s"],
-                                       "get": r["get_pages_s"] / file_row["get_pages_s"]}
-                        for r in rows[1:]}}
+            "vs_file": {f"{r['backend']} ({r['path']})": {
+                "set": r["set_pages_s"] / file_rows[r["path"]]["set_pages_s"],
+                "get": r["get_pages_s"] / file_rows[r["path"]]["get_pages_s"]}
+                for r in rows if r["backend"] != "HiCacheFile"}}
 
 
-def _round(backend: Any, tag: str, pages: list[torch.Tensor], targets: list[torch.Tensor],
-           batches: int) -> tuple[float, float]:
-    """Seconds to batch_set, then to batch_get, ``batches`` batches of fresh keys."""
-    keys = [[hashlib.sha256(f"{tag}/{b}/{i}".encode()).hexdigest() for i in range(len(pages))]
+def _round(backend: Any, tag: str, op: Any, batches: int, svc: RunningService | None
+           ) -> tuple[float, float, float]:
+    """Seconds to set, then (after an untimed wait for the service's background Redis writes,
+    itself returned) to get, ``batches`` batches of fresh keys."""
+    keys = [[hashlib.sha256(f"{tag}/{b}/{i}".encode()).hexdigest() for i in range(op.num_pages)]
             for b in range(batches)]
     start = time.perf_counter()
     for batch in keys:
-        assert backend.batch_set(batch, pages), f"{tag}: batch_set failed"
+        assert op.set(backend, batch), f"{tag}: set failed"
     set_s = time.perf_counter() - start
     start = time.perf_counter()
+    while svc is not None and svc.service.kv.stats()["redis_behind_bytes"]:
+        time.sleep(0.001)
+    drain_s = time.perf_counter() - start
+    start = time.perf_counter()
     for batch in keys:
-        got = backend.batch_get(batch, targets)
-        assert all(t is not None for t in got), f"{tag}: batch_get missed pages"
+        assert op.get(backend, batch), f"{tag}: get missed pages"
     get_s = time.perf_counter() - start
-    assert torch.equal(targets[-1].view(torch.int16), pages[-1].view(torch.int16)), tag
+    assert op.check(), f"{tag}: wrong bytes"
     backend.clear()
-    return set_s, get_s
+    return set_s, get_s, drain_s
 
 
 def _fs_type(path: str) -> str:
@@ -173,8 +280,8 @@ def render(result: dict) -> str:
              f"{result['page_bytes'] / 2**20:.2f} MiB (TP {result['tp_size']}), "
              f"{result['batch_pages']} per call, {result['batches']} calls per round, median of "
              f"{result['rounds']} rounds; HiCacheFile on {result['file_fs']}",
-             table(result["rows"], ["backend", "set_pages_s", "set_mb_s", "get_pages_s",
-                                    "get_mb_s"])]
+             table(result["rows"], ["backend", "path", "set_pages_s", "set_mb_s", "get_pages_s",
+                                    "get_mb_s", "redis_drain_ms"])]
     for name, ratio in result["vs_file"].items():
         lines.append(f"{name} / HiCacheFile: set {ratio['set']:.2f}x, get {ratio['get']:.2f}x")
     return "\n".join(lines)

@@ -39,6 +39,7 @@ from tierstore.integrations._support import (
     _sanitize,
     _storage_metrics,
 )
+from tierstore.shm_client import copy_bytes
 
 log = logging.getLogger(__name__)
 
@@ -222,7 +223,10 @@ class TierStoreHiCacheStorage(_Base):
                 self._log.warning("tierstore page of %d bytes does not fit a %d-byte target",
                                   value.numel(), target.numel() * target.element_size())
                 return None
-            target.copy_(value.view(target.dtype).view(target.shape))
+            if target.is_contiguous():
+                copy_bytes(target.view(-1).view(torch.uint8), value)
+            else:
+                target.copy_(value.view(target.dtype).view(target.shape))
             return target
         info = self._pools.get(KV)
         if info is not None and value.numel() == info.page_bytes:
@@ -248,7 +252,7 @@ class TierStoreHiCacheStorage(_Base):
         flat = [_as_bytes(v) for v in values]
 
         def fill(i: int, view: torch.Tensor) -> None:
-            view.copy_(flat[i])
+            copy_bytes(view, flat[i])
 
         sizes = [t.numel() for t in flat]
         stored = self._store(self._ns(KV), keys, sizes, fill, lambda i: _as_buffer(flat[i]))
@@ -447,6 +451,11 @@ def _copy_page(pool: Any, index: int, out: torch.Tensor, dtype: torch.dtype) -> 
     page = pool.get_data_page(index, flat=False)
     if isinstance(page, torch.Tensor) and page.dtype == dtype and \
             page.numel() * page.element_size() == out.numel():
-        out.view(dtype).view(page.shape).copy_(page)
+        flat = out.view(dtype).view(page.shape)
+        if page.dim() > 1 and not page.is_contiguous() and all(p.is_contiguous() for p in page):
+            for dst, src in zip(flat, page, strict=True):  # e.g. page_first: K block, V block
+                copy_bytes(dst, src)
+        else:
+            copy_bytes(flat, page)
     else:
-        out.copy_(_as_bytes(pool.get_data_page(index, flat=True)))
+        copy_bytes(out, _as_bytes(pool.get_data_page(index, flat=True)))

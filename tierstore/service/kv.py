@@ -208,7 +208,7 @@ class KeyValueStore:
         self.host.close()
 
     def stats(self) -> dict[str, int]:
-        return {**self.host.stats(), "sets": self.sets,
+        return {**self.host.stats(), "sets": self.sets, "redis_behind_bytes": self._behind_bytes,
                 **{f"hits_{k}": v for k, v in self.hits.items()}}
 
     async def _remote_put(self, keys: Sequence[str], values: Sequence[bytes | memoryview]
