@@ -206,7 +206,7 @@ class ServiceProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self.restarts = 0
 
-    def start(self, timeout_s: float = 60.0) -> None:
+    def start(self, timeout_s: float = 120.0) -> None:
         with open(self._log, "ab") as log:
             self.proc = subprocess.Popen(self._args, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
