@@ -1,9 +1,9 @@
 """Where a transformers prefix is kept: an embedded :class:`TierStore` or a running service.
 
 Both answer the same two calls with :class:`Envelopes`: ``put`` caches the page-aligned prefix
-``tokens`` (KV pages, the SWA window pages before its end, the recurrent checkpoint at its end);
-``get`` returns the longest usable cached prefix of ``tokens`` under the hybrid match rule
-(promoting it from the host tier or Redis as the store does), or ``None``.
+``tokens`` (KV pages, SWA pages, the recurrent checkpoint at its end); ``get`` returns the
+longest usable cached prefix of ``tokens`` under the hybrid match rule (promoting it from the
+host tier or Redis as the store does), or ``None``.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ class PrefixBackend(Protocol):
 
 
 class LibraryBackend:
-    """An embedded store: envelopes are copied into and out of its arena, and a match's lease
-    is released as soon as the bytes are read."""
+    """An embedded store: envelopes are copied into it, and out of a prefix read that is
+    closed (lease and fences released) as soon as the rows are copied."""
 
     def __init__(self, store: TierStore, namespace: str = "default") -> None:
         self.store = store
@@ -56,26 +56,18 @@ class LibraryBackend:
         return result.stored
 
     def get(self, tokens: Sequence[int]) -> Fetched | None:
-        """Match (promoting into L1), read the rows, release the lease."""
-        match = self.store.match(list(tokens), self.namespace)
-        if match.tokens == 0:
-            return None
-        arena, layout = self.store.arena, self.store.layout
-        try:
-            kv = arena.read("kv", match.kv) if layout.kv is not None else None
-            swa = None
-            if layout.swa is not None:
-                window = match.swa[max(0, match.pages - layout.swa_window_pages()):]
-                assert bool((window >= 0).all()), "a match returned a window with SWA holes"
-                swa = arena.read("swa", window)
-            state = None
-            if layout.state is not None:
-                assert match.state is not None, "a hybrid match returned no checkpoint"
-                state = arena.read("state", [match.state])
-        finally:
-            if match.lease is not None:
-                self.store.release(match.lease)
-        return Fetched(match.tokens, Envelopes(kv, swa, state), dict(match.tiers))
+        """Match (promoting into L1) and copy the matched rows out."""
+        with self.store.read_prefix(list(tokens), self.namespace) as read:
+            match = read.match
+            if match.tokens == 0:
+                return None
+            rows = read.rows
+            swa = rows.get("swa")
+            if swa is not None:  # the window's pages end the prefix; earlier ones may be gone
+                swa = swa[max(0, match.pages - self.store.layout.swa_window_pages()):]
+            envelopes = Envelopes(_stacked(rows.get("kv")), _stacked(swa),
+                                  _stacked(rows.get("state")))
+        return Fetched(match.tokens, envelopes, dict(match.tiers))
 
 
 class ServiceBackend:
@@ -109,6 +101,14 @@ class ServiceBackend:
         state = _rows([reply["state"]]) if reply["state"] is not None else None
         return Fetched(int(reply["matched_tokens"]), Envelopes(kv, swa, state),
                        dict(reply.get("tiers") or {}))
+
+
+def _stacked(rows: Sequence[torch.Tensor | None] | None) -> torch.Tensor | None:
+    """A copy of arena rows as ``[n, bytes]`` (valid after the read is closed)."""
+    if not rows:
+        return None
+    assert all(row is not None for row in rows), "a match returned a window with SWA holes"
+    return torch.stack([row for row in rows if row is not None]).cpu()
 
 
 def _blobs(rows: torch.Tensor | None) -> list[bytes]:
