@@ -184,7 +184,13 @@ class Arena:
             got = (tuple(data.shape), data.dtype) if isinstance(data, torch.Tensor) else type(data)
             raise ArenaError(f"pool {p.name!r}: write needs uint8 {want}, got {got}")
         slots = p.loc[ids].to(self.device)
-        self._slot_view(p).index_copy_(0, slots, data.to(self.device))
+        data = data.to(self.device)
+        wide = self._wide_view(p)
+        if wide is not None and data.is_contiguous():
+            # 8-byte elements: torch copies uint8 rows element by element, ~3x slower
+            wide.index_copy_(0, slots, data.view(torch.int64))
+        else:
+            self._slot_view(p).index_copy_(0, slots, data)
 
     def layer_view(
         self,
@@ -485,6 +491,21 @@ class Arena:
         if view is None:
             view = self._buf[p.origin : p.origin + p.max_slots * p.unit].view(p.max_slots, p.unit)
             self._views[p.name] = view
+        return view
+
+    def _wide_view(self, p: Pool) -> torch.Tensor | None:
+        """The pool's slots as ``int64`` rows (units are 16-byte multiples), or None where the
+        band's byte offset does not allow it (an accounting-only arena has no bytes)."""
+        if self.device.type == "meta" or p.unit % 8:
+            return None
+        key = f"{p.name}/i64"
+        view = self._views.get(key)
+        if view is None:
+            try:
+                view = self._slot_view(p).view(torch.int64)
+            except RuntimeError:
+                return None
+            self._views[key] = view
         return view
 
     def _device_table(self, p: Pool) -> torch.Tensor:
