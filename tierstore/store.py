@@ -330,8 +330,8 @@ class TierStore:
         if count:
             fresh = self.arena.alloc(kind, count)
             assert fresh is not None, f"{kind}: room was made for {count} blocks"
-            mask = torch.tensor(need, dtype=torch.bool)
-            self.arena.write(kind, fresh, data[mask].to(self.arena.device))
+            rows = data if count == len(need) else data[torch.tensor(need, dtype=torch.bool)]
+            self.arena.write(kind, fresh, rows.to(self.arena.device))
             fresh_ids = iter(fresh.tolist())
             out = [next(fresh_ids) if n else -1 for n in need]
             self.ledger.hand_out(kind, (i for i in out if i >= 0))
