@@ -9,7 +9,7 @@ import sys
 from tierstore import bench
 
 
-def _build_parser() -> argparse.ArgumentParser:
+def _build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tierstore", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -28,7 +28,16 @@ def _build_parser() -> argparse.ArgumentParser:
 
     bench_parser = sub.add_parser("bench", help="run a benchmark")
     bench_sub = bench_parser.add_subparsers(dest="bench", required=True)
-    for name, module in sorted(bench.available().items()):
+    # Only the benchmark being run is imported (some import SGLang or LMCache, seconds each);
+    # `tierstore bench -h` imports them all to list them.
+    args = sys.argv[1:] if argv is None else argv
+    wanted = args[1] if len(args) > 1 and args[0] == "bench" and not args[1].startswith("-") \
+        else None
+    for name in bench.names():
+        if wanted is not None and name != wanted:
+            bench_sub.add_parser(name)
+            continue
+        module = bench.load(name)
         doc = (module.__doc__ or name).strip().splitlines()[0]
         p = bench_sub.add_parser(name, help=doc, description=module.__doc__)
         p.add_argument("--json", action="store_true", help="print the figures as JSON, last line")
@@ -38,7 +47,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def run_bench(name: str, args: argparse.Namespace) -> dict:
     """Run one benchmark by name and print its table (and JSON with ``--json``)."""
-    module = bench.available()[name]
+    module = bench.load(name)
     result = module.run(args)
     print(module.render(result))
     if getattr(args, "json", False):
@@ -47,7 +56,7 @@ def run_bench(name: str, args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _build_parser().parse_args(argv)
+    args = _build_parser(argv).parse_args(argv)
     if args.command == "bench":
         run_bench(args.bench, args)
         return 0

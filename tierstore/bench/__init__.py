@@ -17,13 +17,20 @@ import pkgutil
 from types import ModuleType
 
 
+def names() -> list[str]:
+    """Every benchmark's name, without importing any (some pull in heavy optional packages)."""
+    return sorted(info.name for info in pkgutil.iter_modules(__path__)
+                  if not info.name.startswith("_"))
+
+
+def load(name: str) -> ModuleType:
+    """The benchmark module ``name``."""
+    module = importlib.import_module(f"{__name__}.{name}")
+    if not (hasattr(module, "run") and hasattr(module, "add_arguments")):
+        raise LookupError(f"{name} is not a benchmark module")
+    return module
+
+
 def available() -> dict[str, ModuleType]:
-    """Every benchmark module in this package, keyed by its name."""
-    found: dict[str, ModuleType] = {}
-    for info in pkgutil.iter_modules(__path__):
-        if info.name.startswith("_"):
-            continue
-        module = importlib.import_module(f"{__name__}.{info.name}")
-        if hasattr(module, "run") and hasattr(module, "add_arguments"):
-            found[info.name] = module
-    return found
+    """Every benchmark module in this package, keyed by its name (imports them all)."""
+    return {name: load(name) for name in names()}
