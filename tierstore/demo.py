@@ -5,6 +5,7 @@ on the same requests; then what the unified arena and eviction rule buy."""
 from __future__ import annotations
 
 import argparse
+import logging
 import random
 import signal
 import threading
@@ -20,7 +21,7 @@ from tqdm import tqdm
 
 from tierstore.bench import arena as arena_bench
 from tierstore.bench import retention as retention_bench
-from tierstore.client import Client
+from tierstore.client import Client, ServiceError
 from tierstore.config import StoreConfig
 from tierstore.layout import ModelLayout
 from tierstore.service.server import add_arguments as serve_arguments
@@ -34,6 +35,8 @@ from tierstore.testing.service import RunningService, free_port
 # GPT-OSS-20B's envelopes (full attention + sliding window), 16-token pages of 384 KiB each;
 # L1 and L2 are small so that the chats spill through every tier within seconds.
 MODEL, PAGE, L1, L2 = "gpt-oss-20b", 16, "48MiB", "96MiB"
+
+log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -100,7 +103,12 @@ def _engine_over_http(client: Client, layout: ModelLayout) -> Callable[[Turn], N
             client.insert(turn.full[: pages * layout.page_size], kv=[blob["kv"]] * new,
                           swa=[blob["swa"]] * swa)
         if m["lease"] is not None:
-            client.release(m["lease"])
+            try:
+                client.release(m["lease"])
+            except ServiceError as exc:  # leases expire (--lease-ttl): then it is released
+                if exc.status != 404:
+                    raise
+                log.warning("lease expired before its release: %s", exc)
 
     return run
 

@@ -52,8 +52,7 @@ def chromium() -> str:
     try:
         return find_or_install(["chromium", "chromium-browser", "google-chrome"], "chromium")
     except ProgramUnavailableError as exc:
-        pytest.skip(f"the dashboard browser tests need Chromium: {exc}; to run them, install it "
-                    f"(apt-get install chromium) or set TIERSTORE_CHROMIUM=/path/to/chrome")
+        pytest.skip(f"dashboard browser tests: {exc}; or set TIERSTORE_CHROMIUM=/path/to/chrome")
 
 
 def browse(binary: str, url: str, tmp: Path, *, screenshot: Path | None = None) -> str:
