@@ -8,6 +8,7 @@ raises :class:`ServiceError` carrying the service's ``{error, detail}``.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import threading
 from collections.abc import Coroutine, Sequence
@@ -191,6 +192,10 @@ class Client:
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def call_nowait(self, path: str, body: dict[str, Any]) -> concurrent.futures.Future[Any]:
+        """Send ``call(path, body)`` without waiting; the future holds the answer or error."""
+        return asyncio.run_coroutine_threadsafe(self._async.call(path, body), self._loop)
 
     def __getattr__(self, name: str) -> Any:
         method = getattr(self._async, name)

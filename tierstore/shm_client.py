@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -47,9 +48,10 @@ class SharedMemoryTransport:
     Thread-safe: every call is independent (one HTTP request at a time per control step).
     """
 
-    def __init__(self, client: Client, segment: SharedSegment) -> None:
+    def __init__(self, client: Client, segment: SharedSegment, lease_ttl_s: float) -> None:
         self.client = client
         self.segment = segment
+        self.lease_ttl_s = lease_ttl_s
 
     @classmethod
     def attach(cls, client: Client) -> SharedMemoryTransport:
@@ -59,13 +61,14 @@ class SharedMemoryTransport:
             info = reply["segments"]["kv"]
             segment = SharedSegment.attach(str(info["name"]), bytes(info["nonce"]),
                                            int(info["nbytes"]))
+            ttl = float(reply["lease_ttl_s"])
         except ServiceError as exc:
             raise ShmUnavailable(f"the service refused shared memory: {exc}") from exc
         except (ShmError, KeyError, TypeError) as exc:
             raise ShmUnavailable(f"cannot map the service's segment: {exc}") from exc
         except (OSError, asyncio.TimeoutError) as exc:  # the service is unreachable
             raise ShmUnavailable(f"cannot reach the service: {exc}") from exc
-        return cls(client, segment)
+        return cls(client, segment, ttl)
 
     # ------------------------------------------------------------------ reads
     def get_into(self, keys: Sequence[str], namespace: str, sink: Sink) -> list[bool]:
@@ -73,6 +76,7 @@ class SharedMemoryTransport:
         the segment, valid only during the call; it copies what it keeps and answers whether
         it took the value). Per key whether it was found and taken. LeaseExpired when the
         service had ended the read lease before the copies finished."""
+        sent = time.monotonic()
         reply = self._call("/v1/storage/shm_get", {"keys": list(keys), "namespace": namespace,
                                                    "segment": self.segment.name})
         buf = self.segment.tensor
@@ -88,12 +92,21 @@ class SharedMemoryTransport:
                     view = buf[start:start + length]
                 taken[i] = bool(sink(i, view))
         finally:
-            lease = reply["lease"]
-            released = lease is None or self.client.call(
-                "/v1/storage/shm_release", {"lease": lease})["released"]
+            released = self._release(reply["lease"], sent)
         if not released:
             raise LeaseExpired(f"read lease of {len(keys)} keys expired before the copy ended")
         return taken
+
+    def _release(self, lease: str | None, sent: float) -> bool:
+        """End a read lease; whether it still held when the copies ended. The service starts a
+        lease's TTL after this host's monotonic clock read ``sent``: well within the TTL the
+        lease certainly held, so the release goes out without waiting for its answer."""
+        if lease is None:
+            return True
+        if time.monotonic() - sent < 0.5 * self.lease_ttl_s:
+            self.client.call_nowait("/v1/storage/shm_release", {"lease": lease})
+            return True
+        return bool(self.client.call("/v1/storage/shm_release", {"lease": lease})["released"])
 
     def batch_get(self, keys: Sequence[str], namespace: str = "default"
                   ) -> list[bytes | None]:

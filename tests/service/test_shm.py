@@ -104,8 +104,9 @@ def test_shm_writes_read_back_by_shm_and_http(client: Client,
     client.batch_set(http_keys, data[:2], NS)
     assert transport.batch_get(http_keys, NS) == data[:2]  # and the other way round
     assert transport.batch_get(keys, "other-namespace") == [None] * 6
-    stats = kv_stats(svc)
-    assert stats["shm_leases"] == 0 and stats["shm_reservations"] == 0
+    wait_until(lambda: kv_stats(svc)["shm_leases"] == 0, "the releases (sent without "
+               "waiting) arrived")
+    assert kv_stats(svc)["shm_reservations"] == 0
     svc.service.kv.host.check_integrity()
 
 
