@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from host_tier.shm import SharedSegment, ShmError
-from tierstore.client import Client, ServiceError
+from tierstore.client import Client, ServiceError, pack_tokens
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +119,53 @@ class SharedMemoryTransport:
 
         self.get_into(keys, namespace, keep)
         return out
+
+    def fetch_into(self, tokens: Sequence[int] | np.ndarray, namespace: str,
+                   sink: Callable[[str, int, torch.Tensor], None]) -> dict[str, Any] | None:
+        """``/v1/fetch`` through the segment: ``sink(kind, i, view)`` per envelope of the
+        cached prefix (``kv`` per page, ``swa`` per page not tombstoned, ``state`` once; the
+        view is valid only during the call), then the answer without bytes (``kv`` /
+        ``swa`` / ``state`` as ``[offset, length]`` or None, ``matched_tokens``, ``tiers``).
+        None when the rows do not fit the segment now (use ``Client.fetch``)."""
+        sent = time.monotonic()
+        try:
+            reply = self._call("/v1/shm/fetch", {"tokens": pack_tokens(tokens),
+                                                 "namespace": namespace,
+                                                 "segment": self.segment.name})
+        except ServiceError as exc:
+            if exc.error == "shm_full":
+                return None
+            raise
+        buf = self.segment.tensor
+        try:
+            for kind in ("kv", "swa", "state"):
+                items = reply[kind] if kind != "state" else [reply["state"]]
+                for i, item in enumerate(items):
+                    if item is not None:
+                        sink(kind, i, buf[int(item[0]):int(item[0]) + int(item[1])])
+        finally:
+            released = self._release(reply["lease"], sent)
+        if not released:
+            raise LeaseExpired("the fetch's read lease expired before the copy ended")
+        return dict(reply)
+
+    def fetch(self, tokens: Sequence[int] | np.ndarray, namespace: str = "default"
+              ) -> dict[str, Any]:
+        """What ``Client.fetch`` answers (envelopes as bytes), read through the segment when
+        the rows fit it, else over HTTP."""
+        got: dict[str, list[bytes]] = {"kv": [], "swa": [], "state": []}
+
+        def keep(kind: str, i: int, view: torch.Tensor) -> None:
+            got[kind].append(view.numpy().tobytes())
+
+        reply = self.fetch_into(tokens, namespace, keep)
+        if reply is None:
+            return dict(self.client.fetch(tokens, namespace))
+        swa = iter(got["swa"])
+        reply["kv"] = got["kv"]
+        reply["swa"] = [None if item is None else next(swa) for item in reply["swa"]]
+        reply["state"] = got["state"][0] if got["state"] else None
+        return reply
 
     # ------------------------------------------------------------------ writes
     def put_from(self, keys: Sequence[str], sizes: Sequence[int], namespace: str,

@@ -327,3 +327,46 @@ def test_a_restarted_service_is_noticed_not_misread(redis_server: RedisServer,
         finally:
             again.stop()
         transport.close()
+
+
+# ------------------------------------------------------------------ prefix fetch
+def prefix_data(seed: int, pages: int = 4) -> dict[str, object]:
+    units = {k: e.nbytes for k, e in tiny_layout(page_size=4).envelopes().items()}
+    kv, swa, state = (values(n, units[kind], seed + i) for i, (kind, n) in
+                      enumerate((("kv", pages), ("swa", 2), ("state", 1))))
+    return {"kv": kv, "swa": swa, "state": state[0]}
+
+
+def test_prefix_fetch_through_the_segment_matches_http(
+        svc: RunningService, client: Client,
+        shm_of: Callable[[], SharedMemoryTransport]) -> None:
+    transport, tokens = shm_of(), list(range(500, 516))
+    data = prefix_data(20)
+    client.insert(tokens, kv=data["kv"], swa=data["swa"], state=data["state"])
+    over_http = client.fetch([*tokens, 1])
+    got = transport.fetch([*tokens, 1])
+    assert got["kv"] == data["kv"] == over_http["kv"]
+    assert got["swa"] == [None, None, *data["swa"]] == over_http["swa"]
+    assert got["state"] == data["state"] == over_http["state"]
+    assert (got["matched_tokens"], got["checkpoint"]) == (16, 16)
+    wait_until(lambda: kv_stats(svc)["shm_leases"] == 0, "the fetch lease was released")
+    assert kv_stats(svc)["host_used_bytes"] == 0  # staged rows are freed with the lease
+    empty = transport.fetch(list(range(9000, 9016)))
+    assert (empty["matched_tokens"], empty["kv"], empty["state"]) == (0, [], None)
+    svc.service.kv.host.check_integrity()
+
+
+def test_prefix_fetch_falls_back_to_http_when_rows_do_not_fit(
+        redis_server: RedisServer) -> None:
+    small = start(None, kv_host_bytes=4096)
+    try:
+        with Client(small.url, retries=0) as c:
+            transport = SharedMemoryTransport.attach(c)
+            tokens, data = list(range(700, 716)), prefix_data(30)
+            c.insert(tokens, kv=data["kv"], swa=data["swa"], state=data["state"])
+            assert transport.fetch_into([*tokens, 1], "default", lambda *_: None) is None
+            assert transport.fetch([*tokens, 1])["kv"] == data["kv"]  # over HTTP
+            assert small.service.kv.stats()["host_used_bytes"] == 0
+            transport.close()
+    finally:
+        small.stop()

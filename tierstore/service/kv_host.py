@@ -132,6 +132,21 @@ class HostValues:
         if not value.pins:
             self.slots.free(value.start)
 
+    def stage(self, sizes: list[int]) -> list[Value] | None:
+        """Unindexed, pinned ranges for bytes a client will read once (e.g. a prefix's rows
+        copied out of the store); the last unpin frees them. None when they do not all fit
+        (nothing is held then)."""
+        staged: list[Value] = []
+        for nbytes in sizes:
+            value = self.reserve(nbytes)
+            if value is None:
+                for held in staged:
+                    self.unpin(held)
+                return None
+            value.dead, value.pins = True, 1
+            staged.append(value)
+        return staged
+
     def pin(self, value: Value) -> None:
         value.pins += 1
 

@@ -15,6 +15,11 @@ Every data call names the segment the client mapped (409 when it is not this ser
   ``/v1/storage/shm_abort`` returns them. An uncommitted reservation is reclaimed after the
   lease TTL: a client that dies between reserve and commit leaves nothing visible.
 
+- ``/v1/shm/fetch`` is ``/v1/fetch`` for a same-host client: the matched prefix's rows are
+  copied (off the store's thread) into staged ranges of the segment, answered as
+  ``[offset, length]`` per envelope under a read lease (503 ``shm_full`` when they do not fit:
+  use ``/v1/fetch``).
+
 Leases and reservations expire after ``--lease-ttl`` seconds.
 """
 
@@ -26,10 +31,13 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import msgpack
+import torch
 from aiohttp import web
 
-from tierstore.service.codec import MSGPACK, HTTPError, field, read_body
+from tierstore.hashing import check_namespace
+from tierstore.service.codec import MSGPACK, HTTPError, field, read_body, tokens_field
 from tierstore.service.kv_host import Value
+from tierstore.shm_client import copy_bytes
 
 if TYPE_CHECKING:
     from tierstore.service.app import Service
@@ -43,10 +51,12 @@ class ShmRoutes:
     def __init__(self, service: Service) -> None:
         self.service = service
         self.kv = service.kv
+        self._tasks: set[asyncio.Future[Any]] = set()
 
     def register(self, app: web.Application) -> None:
         """Add the routes and the task that expires leases and reservations."""
         app.router.add_post("/v1/shm/attach", self.attach)
+        app.router.add_post("/v1/shm/fetch", self.fetch)
         app.router.add_post("/v1/storage/shm_get", self.get)
         app.router.add_post("/v1/storage/shm_release", self.release)
         app.router.add_post("/v1/storage/shm_reserve", self.reserve)
@@ -75,6 +85,53 @@ class ShmRoutes:
         return _msgpack({"segments": {"kv": {"name": segment.name, "nonce": segment.nonce,
                                              "nbytes": segment.nbytes}},
                          "lease_ttl_s": self.service.config.lease_ttl_s})
+
+    async def fetch(self, request: web.Request) -> web.Response:
+        body = await read_body(request)
+        self._check(body)
+        tokens = tokens_field(body, self.service.config.max_tokens)
+        namespace = check_namespace(field(body, "namespace", str, default="default"))
+        store = self.service.store
+        read = await self.service.run(store.read_prefix, tokens, namespace)
+        handed_off = False
+        try:
+            rows = [(kind, i, row) for kind, kind_rows in read.rows.items()
+                    for i, row in enumerate(kind_rows) if row is not None]
+            staged = self.kv.host.stage([row.numel() for _, _, row in rows])
+            if staged is None:
+                raise HTTPError(503, "shm_full", "the prefix's rows do not fit the shared "
+                                                 "segment now: use /v1/fetch")
+            # A bulk copy: neither on the loop nor on the store's thread.
+            copy = asyncio.get_running_loop().run_in_executor(
+                None, _copy_rows, [r for _, _, r in rows],
+                [self.kv.host.tensor(v) for v in staged])
+            try:
+                await asyncio.shield(copy)
+            except BaseException:  # failed or cancelled: clean up once the copy has stopped
+                def cleanup(_: object, held: list[Value] = staged) -> None:
+                    for value in held:
+                        self.kv.host.unpin(value)
+                    task = asyncio.ensure_future(self.service.run(read.close))
+                    self._tasks.add(task)
+                    task.add_done_callback(self._tasks.discard)
+
+                copy.add_done_callback(cleanup)
+                handed_off = True
+                raise
+        finally:
+            if not handed_off:
+                await self.service.run(read.close)
+        match = read.match
+        out: dict[str, list[Any]] = {kind: [None] * len(kind_rows)
+                                     for kind, kind_rows in read.rows.items()}
+        for (kind, i, _), value in zip(rows, staged, strict=True):
+            out[kind][i] = [value.start, value.length]
+        lease = self.kv.host.lease(staged) if staged else None
+        return _msgpack({"matched_tokens": match.tokens, "pages": match.pages,
+                         "checkpoint": match.tokens if match.state is not None else None,
+                         "tiers": match.tiers, "lease": lease, "kv": out.get("kv", []),
+                         "swa": out.get("swa", [None] * len(match.swa)),
+                         "state": out["state"][0] if "state" in out else None})
 
     async def get(self, request: web.Request) -> web.Response:
         body = await read_body(request)
@@ -129,3 +186,8 @@ class ShmRoutes:
 
 def _msgpack(payload: dict[str, Any]) -> web.Response:
     return web.Response(body=msgpack.packb(payload, use_bin_type=True), content_type=MSGPACK)
+
+
+def _copy_rows(rows: list[torch.Tensor], out: list[torch.Tensor]) -> None:
+    for src, dst in zip(rows, out, strict=True):
+        copy_bytes(dst, src.reshape(-1).view(torch.uint8))
