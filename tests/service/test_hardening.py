@@ -277,3 +277,12 @@ def test_only_the_principal_that_took_a_lease_releases_it() -> None:
         assert _post(port, "/v1/release", {"lease": lease}, "127.0.0.1") == (
             200, {"released": True})
         assert len(svc.service.leases) == 0
+
+
+def test_longest_namespace_and_key_reach_redis(svc: RunningService) -> None:
+    """A 128-character namespace and a 400-character key still make a valid Redis key
+    (the length prefix adds characters; a value over kv_host_bytes lives in Redis only)."""
+    namespace, key, value = "n" * 128, "k" * 400, bytes(range(256)) * 40
+    with Client(svc.url, token=TOKEN, retries=0) as c:
+        assert c.batch_set([key], [value], namespace=namespace) == [True]
+        assert c.batch_get([key], namespace=namespace) == [value]
