@@ -286,3 +286,17 @@ def test_longest_namespace_and_key_reach_redis(svc: RunningService) -> None:
     with Client(svc.url, token=TOKEN, retries=0) as c:
         assert c.batch_set([key], [value], namespace=namespace) == [True]
         assert c.batch_get([key], namespace=namespace) == [value]
+
+
+def test_a_body_cut_short_is_a_4xx_not_a_500(svc: RunningService) -> None:
+    raw = (b"POST /v1/match HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer " + TOKEN.encode() +
+           b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"tokens\": [1]}")
+    with socket.create_connection(("127.0.0.1", svc.config.port), timeout=10) as sock:
+        sock.sendall(raw)
+        sock.shutdown(socket.SHUT_WR)  # and never the rest
+        _read_all(sock)
+    conn = http.client.HTTPConnection("127.0.0.1", svc.config.port, timeout=10)
+    conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
+    text = conn.getresponse().read().decode()
+    assert 'endpoint="/v1/match",status="400"' in text
+    assert 'status="500"' not in text

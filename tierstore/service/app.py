@@ -89,7 +89,7 @@ class Service:
     # ------------------------------------------------------------------ app
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_body_bytes,
-                              middlewares=[self._errors, self._timing, self._auth])
+                              middlewares=[self._timing, self._errors, self._auth])
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/metrics", self.metrics_handler)
         app.router.add_get("/dashboard", self.dashboard)
@@ -155,6 +155,8 @@ class Service:
 
     @web.middleware
     async def _timing(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        # Outermost: it sees the status ``_errors`` answered (inside it, every error raised
+        # as an exception was counted as a 500).
         start = time.perf_counter()
         status = 500
         try:

@@ -13,7 +13,8 @@ from typing import Any
 
 import msgpack
 import numpy as np
-from aiohttp import web
+from aiohttp import ClientPayloadError, web
+from aiohttp.http_exceptions import HttpProcessingError
 
 MSGPACK = "application/msgpack"
 MAX_DEPTH = 8  # container nesting of a request body (the API's bodies need 2)
@@ -111,18 +112,44 @@ async def read_raw(request: web.Request) -> bytearray:
         if not await limits.budget.take(length, limits.timeout_s):
             raise HTTPError(503, "busy", "too many request bodies in flight; retry")
         request[_HELD] = length
+    buf, pos = None, 0
     try:
-        return await asyncio.wait_for(_read(request, limits, length), limits.timeout_s)
+        if length is not None:  # the usual small body is already buffered: no timer, no task
+            buf = bytearray(length)
+            pos = _take_buffered(request, buf, 0)
+            if pos == length:
+                return buf
+        return await asyncio.wait_for(_read(request, limits, buf, pos), limits.timeout_s)
     except asyncio.TimeoutError:
         raise HTTPError(408, "body_timeout", f"the body did not arrive within "
                                              f"{limits.timeout_s} s") from None
+    except (ConnectionError, HttpProcessingError, ClientPayloadError) as exc:
+        # The client went away or broke the framing mid-body: its fault, not ours (and
+        # whatever we answer may never reach it).
+        raise HTTPError(400, "truncated_body", f"the body was cut short: "
+                                               f"{type(exc).__name__}") from None
 
 
-async def _read(request: web.Request, limits: BodyLimits, length: int | None) -> bytearray:
+def _take_buffered(request: web.Request, buf: bytearray, pos: int) -> int:
+    """Copy what the connection has already buffered into ``buf`` from ``pos``; the new
+    position."""
+    view = memoryview(buf)
+    while pos < len(buf):
+        chunk = request.content.read_nowait(len(buf) - pos)
+        if not chunk:
+            break
+        view[pos:pos + len(chunk)] = chunk
+        pos += len(chunk)
+    return pos
+
+
+async def _read(request: web.Request, limits: BodyLimits, buf: bytearray | None, pos: int
+                ) -> bytearray:
+    """The rest of the body: into ``buf`` (the announced size, filled up to ``pos``), or
+    chunk by chunk when no size was announced."""
     content = request.content
-    if length is not None:  # into one buffer of the announced size
-        buf = bytearray(length)
-        view, pos = memoryview(buf), 0
+    if buf is not None:
+        view, length = memoryview(buf), len(buf)
         while pos < length:
             chunk = await content.readany()
             if not chunk:
