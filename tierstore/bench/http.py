@@ -1,9 +1,11 @@
 """HTTP: /v1/fetch throughput of 1 MiB envelopes vs a bare aiohttp server answering the same
-bytes, and small /v1/match requests per second.
+bytes, and small /v1/match requests per second; same-host storage reads through the shared
+segment vs a plain torch copy; a concurrent load mix over HTTP and with shared memory.
 
-Both servers run in this process on loopback (each on its own event-loop thread) and are read
-by the same aiohttp client code, so the ratio isolates what the service adds: matching, copying
-the envelopes out of the arena on the store thread, and packing them.
+The fetch servers run in this process on loopback (each on its own event-loop thread) and are
+read by the same aiohttp client code, so the ratio isolates what the service adds: matching,
+copying the envelopes out of the arena on the store thread, and packing them. The shared-memory
+rows and the load mix run ``tierstore serve`` as its own process (see ``_load``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import time
 import msgpack
 from aiohttp import web
 
+from tierstore.bench._load import LoadSpec, read_rates, run_mix, serve_process
 from tierstore.bench._util import table
 from tierstore.client import AsyncClient
 from tierstore.config import StoreConfig
@@ -34,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fetches", type=int, default=40)
     parser.add_argument("--matches", type=int, default=2000)
     parser.add_argument("--concurrency", type=int, default=8, help="clients in flight")
+    parser.add_argument("--clients", type=int, default=16, help="clients of the load mix")
+    parser.add_argument("--rounds", type=int, default=15, help="load-mix iterations per client")
+    parser.add_argument("--repeat", type=int, default=10, help="same-host reads (best of)")
 
 
 class _Echo:
@@ -128,10 +134,19 @@ def run(args: argparse.Namespace) -> dict:
     with _Echo(echo_body) as echo:
         echo_bps, _ = asyncio.run(_fetch_rate(f"http://127.0.0.1:{echo.port}", query,
                                               args.fetches, min(args.concurrency, 2)))
+    spec = LoadSpec(clients=args.clients, processes=min(4, args.clients), rounds=args.rounds)
+    with serve_process(CONFIG) as served:
+        reads = read_rates(served.url, args.pages, unit, args.repeat)
+        mix = {transport: run_mix(served, transport, spec, unit)
+               for transport in ("http", "shm")}
     return {"envelope_bytes": unit, "pages_per_fetch": args.pages,
             "fetch_mb_s": fetch_bps / 1e6, "echo_mb_s": echo_bps / 1e6,
             "fetch_vs_echo": fetch_bps / echo_bps, "match_rps": match_rps,
-            "match_concurrency": args.concurrency, "fetch_payload_mib": size / 2**20}
+            "match_concurrency": args.concurrency, "fetch_payload_mib": size / 2**20,
+            "shm_get_mb_s": reads["shm"], "http_get_mb_s": reads["http"],
+            "torch_copy_mb_s": reads["copy"], "shm_vs_copy": reads["shm"] / reads["copy"],
+            "mix": mix, "mix_shm_vs_http": mix["shm"]["requests_s"] / mix["http"]["requests_s"],
+            "mix_cpu_http_vs_shm": mix["http"]["service_cpu_ms"] / mix["shm"]["service_cpu_ms"]}
 
 
 def render(result: dict) -> str:
@@ -144,4 +159,18 @@ def render(result: dict) -> str:
         f"service / bare = {result['fetch_vs_echo']:.2f}",
         f"small /v1/match (64 tokens, {result['match_concurrency']} in flight): "
         f"{result['match_rps']:,.0f} requests/s",
+        f"same-host storage reads of {result['pages_per_fetch']} x 1 MiB values "
+        f"(`tierstore serve` in its own process):",
+        table([{"what": "shared segment (shm_get + copy)", "mb_s": result["shm_get_mb_s"]},
+               {"what": "HTTP batch_get", "mb_s": result["http_get_mb_s"]},
+               {"what": "torch copy_ of the same bytes", "mb_s": result["torch_copy_mb_s"]}],
+              ["what", "mb_s"]),
+        f"shm / torch copy = {result['shm_vs_copy']:.2f}",
+        f"load mix ({result['mix']['http']['clients']} clients: match, fetch 4 x 1 MiB, "
+        f"set/get 4 x 256 KiB, exists):",
+        table([{"bytes via": k, **v} for k, v in result["mix"].items()],
+              ["bytes via", "requests_s", "p50_ms", "p99_ms", "service_cpu_ms",
+               "service_cores", "store_thread_busy", "wrong_bytes"]),
+        f"shm / http: requests/s {result['mix_shm_vs_http']:.2f}x, service CPU per request "
+        f"{result['mix_cpu_http_vs_shm']:.2f}x less",
     ])

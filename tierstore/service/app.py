@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import hashlib
 import hmac
 import logging
@@ -80,11 +79,21 @@ class Service:
         self.requests: Counter[str] = Counter()
         self.started = time.time()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="tierstore-store")
+        self.store_busy_s = 0.0  # seconds the store's thread spent in calls (its load)
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Run ``fn`` on the store's thread."""
+        """Run ``fn`` on the store's thread (the store is not thread-safe). Only store calls go
+        there: the storage API and shared-memory control calls run on the loop, and bulk copies
+        in worker threads or in the client."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+        return await loop.run_in_executor(self._executor, self._timed, fn, args, kwargs)
+
+    def _timed(self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]) -> T:
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.store_busy_s += time.perf_counter() - start
 
     # ------------------------------------------------------------------ app
     def app(self) -> web.Application:
@@ -205,6 +214,7 @@ class Service:
         body = dataclasses.asdict(snapshot)
         body["hit_rate"] = snapshot.hit_rate
         body["service"] = {"uptime_s": time.time() - self.started, "leases": len(self.leases),
+                           "store_busy_s": self.store_busy_s,
                            "requests": dict(self.requests), "kv": self.kv.stats(),
                            "model": self.store.layout.name, "page_size":
                            self.store.layout.page_size,
