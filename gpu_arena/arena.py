@@ -38,9 +38,12 @@ class Arena:
         device: str | torch.device = "cpu",
         *,
         pin_memory: bool = False,
+        buffer: torch.Tensor | None = None,
     ) -> None:
         """``device="meta"`` builds an accounting-only arena (no bytes; reads and writes are
-        shape-only), for capacity studies at real sizes."""
+        shape-only), for capacity studies at real sizes. ``buffer`` (``uint8``,
+        ``[capacity_bytes]``, on ``device``) is memory to use instead of a fresh zeroed
+        allocation, e.g. a shared-memory segment; the arena never frees it."""
         if capacity_bytes <= 0 or capacity_bytes % ALIGN:
             raise ArenaError(
                 f"capacity_bytes must be a positive multiple of {ALIGN}, got {capacity_bytes}"
@@ -59,8 +62,16 @@ class Arena:
                 )
         self.capacity_bytes = capacity_bytes
         self.device = torch.device(device)
-        self._buf = torch.zeros(capacity_bytes, dtype=torch.uint8, device=self.device,
-                                pin_memory=pin_memory and self.device.type == "cpu")
+        if buffer is not None:
+            if buffer.dtype != torch.uint8 or tuple(buffer.shape) != (capacity_bytes,) or \
+                    buffer.device != self.device or not buffer.is_contiguous():
+                raise ArenaError(f"buffer must be contiguous uint8 [{capacity_bytes}] on "
+                                 f"{self.device}, got {buffer.dtype} {tuple(buffer.shape)} on "
+                                 f"{buffer.device}")
+            self._buf = buffer
+        else:
+            self._buf = torch.zeros(capacity_bytes, dtype=torch.uint8, device=self.device,
+                                    pin_memory=pin_memory and self.device.type == "cpu")
         self._pools: dict[str, Pool] = {}
         for spec in sorted(pools, key=lambda s: ANCHORS.index(s.anchor)):
             origin = capacity_bytes % spec.unit_bytes if spec.anchor == "high" else 0

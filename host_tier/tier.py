@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from gpu_arena import Arena, Fence, PoolSpec
+from host_tier.shm import SharedSegment, ShmError
 
 log = logging.getLogger(__name__)
 
@@ -22,16 +23,30 @@ class HostTier:
     stream that first waits for the caller's stream; each returns the fences it registered
     (a read fence on the source, a write fence on the destination), so neither side's blocks
     are moved or reused until the copy has finished. On CPU copies complete at once.
-    It keeps no policy: the store decides what to demote and promote.
+    With ``shared`` the arena lives in a named shared-memory segment (0600, unlinked on
+    :meth:`close` or exit; pinned with ``cudaHostRegister`` when CUDA exists) that a process of
+    the same user on this host can map by ``segment.name``; without ``/dev/shm`` it falls back
+    to private memory. It keeps no policy: the store decides what to demote and promote.
     """
 
     def __init__(self, capacity_bytes: int, pools: Sequence[PoolSpec], *,
-                 pin_memory: bool | None = None) -> None:
+                 pin_memory: bool | None = None, shared: bool = False) -> None:
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self.arena = Arena(capacity_bytes, pools, "cpu", pin_memory=pin)
-        self.pinned = bool(pin)
+        self.segment: SharedSegment | None = None
+        if shared:
+            try:
+                self.segment = SharedSegment.create(capacity_bytes, prefix="tierstore-l2")
+            except ShmError as exc:
+                log.warning("host tier in private memory: %s", exc)
+        if self.segment is not None:
+            self.arena = Arena(capacity_bytes, pools, "cpu", buffer=self.segment.tensor)
+            self.pinned = self.segment.pinned
+        else:
+            self.arena = Arena(capacity_bytes, pools, "cpu", pin_memory=pin)
+            self.pinned = bool(pin)
         self._stream: torch.cuda.Stream | None = None
-        log.info("host tier: %.1f MiB, pinned=%s", capacity_bytes / 2**20, self.pinned)
+        log.info("host tier: %.1f MiB, pinned=%s, shared=%s", capacity_bytes / 2**20,
+                 self.pinned, self.segment is not None)
 
     def _copy_stream(self, device: Arena) -> torch.cuda.Stream | None:
         if device.device.type != "cuda":
@@ -58,3 +73,8 @@ class HostTier:
     def check_integrity(self) -> None:
         """Raise IntegrityError if the host arena's invariants are broken."""
         self.arena.check_integrity()
+
+    def close(self) -> None:
+        """Unlink the shared segment, if any (the arena's views keep the memory until freed)."""
+        if self.segment is not None:
+            self.segment.close()
