@@ -21,6 +21,7 @@ from remote_tier import RemoteTierConfig
 from tierstore.client import Client, ServiceError
 from tierstore.config import StoreConfig
 from tierstore.service.config import ServiceConfig
+from tierstore.service.kv import COPY_ON_LOOP_BYTES
 from tierstore.shm_client import (
     LeaseExpired,
     SegmentChanged,
@@ -370,3 +371,15 @@ def test_prefix_fetch_falls_back_to_http_when_rows_do_not_fit(
             transport.close()
     finally:
         small.stop()
+
+
+def test_large_http_sets_are_copied_off_the_loop() -> None:
+    big = values(2, COPY_ON_LOOP_BYTES // 2 + 1, seed=40)  # over the threshold together
+    local = start(None, kv_host_bytes=COPY_ON_LOOP_BYTES + (1 << 20), max_body_bytes=16 << 20)
+    try:
+        with Client(local.url, retries=0) as c:
+            assert c.batch_set(["b0", "b1"], big) == [True, True]
+            assert c.batch_get(["b0", "b1"]) == big
+            local.service.kv.host.check_integrity()
+    finally:
+        local.stop()

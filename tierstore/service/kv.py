@@ -14,11 +14,15 @@ import logging
 import re
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from remote_tier import RedisTier, RemoteTierError
 from tierstore.service.kv_host import HostValues, Value
 
 log = logging.getLogger(__name__)
 _KEY = re.compile(r"^[\x21-\x7e]{1,400}$")
+# Batches of more bytes than this are copied into host memory off the loop.
+COPY_ON_LOOP_BYTES = 4 << 20
 # Committed shared-memory writes reach Redis in the background; beyond this many bytes in
 # flight a commit waits for its own write (back-pressure).
 WRITE_BEHIND_BYTES = 256 << 20
@@ -51,13 +55,35 @@ class KeyValueStore:
         return f"{len(namespace)}:{namespace}/{key}"
 
     async def batch_set(self, keys: Sequence[str], values: Sequence[bytes]) -> list[bool]:
-        """Store values (in the order given: parent first); True where some tier took it."""
-        stored = [self.host.put(k, v) for k, v in zip(keys, values, strict=True)]
+        """Store values (in the order given: parent first); True where some tier took it.
+        Large batches are copied into host memory by a worker thread, not on the loop."""
+        if sum(len(v) for v in values) < COPY_ON_LOOP_BYTES:
+            stored = [self.host.put(k, v) for k, v in zip(keys, values, strict=True)]
+        else:
+            stored = await self._put_off_loop(keys, values)
         if self.remote is not None:
             acked = await self._remote_put(keys, values)
             stored = [a or b for a, b in zip(stored, acked, strict=True)]
         self.sets += len(keys)
         return stored
+
+    async def _put_off_loop(self, keys: Sequence[str], values: Sequence[bytes]) -> list[bool]:
+        ranges = [self.host.reserve(len(v)) for v in values]
+        done = [(r, v) for r, v in zip(ranges, values, strict=True) if r is not None]
+        copy = asyncio.get_running_loop().run_in_executor(None, _fill, self.host, done)
+        try:
+            await asyncio.shield(copy)
+        except BaseException:  # give the ranges back once the copy has stopped
+            def give_back(_: object) -> None:
+                for value, _data in done:
+                    self.host.abandon(value)
+
+            copy.add_done_callback(give_back)
+            raise
+        for key, value in zip(keys, ranges, strict=True):
+            if value is not None:
+                self.host.publish(key, value)
+        return [r is not None for r in ranges]
 
     async def lookup(self, keys: Sequence[str]) -> list[Value | bytes | None]:
         """Per key its host value, else the bytes Redis had (copied into host memory when they
@@ -228,3 +254,8 @@ class KeyValueStore:
         except RemoteTierError as exc:
             log.warning("redis get failed: %s", exc)
             return [None] * len(keys)
+
+
+def _fill(host: HostValues, items: list[tuple[Value, bytes]]) -> None:
+    for value, data in items:
+        host.tensor(value).numpy()[:] = np.frombuffer(data, np.uint8)
