@@ -25,11 +25,12 @@ MSGPACK = "application/msgpack"
 class ServiceError(Exception):
     """The service answered with an error (``status``, ``error``, ``detail``)."""
 
-    def __init__(self, status: int, error: str, detail: str) -> None:
+    def __init__(self, status: int, error: str, detail: str, *, attempts: int = 1) -> None:
         super().__init__(f"{status} {error}: {detail}")
         self.status = status
         self.error = error
         self.detail = detail
+        self.attempts = attempts  # > 1: an earlier attempt may have reached the service
 
 
 def pack_tokens(tokens: Sequence[int] | np.ndarray) -> bytes:
@@ -90,7 +91,13 @@ class AsyncClient:
     async def release(self, lease: str) -> None:
         """Release a lease ``match(..., lock=True)`` returned (an opaque string id, releasable
         only by the same principal: the same token, or without auth the same host)."""
-        await self._post("/v1/release", {"lease": lease})
+        try:
+            await self._post("/v1/release", {"lease": lease})
+        except ServiceError as exc:
+            # A retried release whose first attempt reached the service (and timed out or
+            # lost its connection on the way back) finds the lease gone: it is released.
+            if not (exc.status == 404 and exc.attempts > 1):
+                raise
 
     # ------------------------------------------------------------------ storage API
     async def batch_set(self, keys: Sequence[str], values: Sequence[bytes],
@@ -152,7 +159,7 @@ class AsyncClient:
                     raw = await response.read()
                     if response.status == 503 and attempt < self.retries:
                         raise _Retry()
-                    return _decode(response.status, response.content_type, raw)
+                    return _decode(response.status, response.content_type, raw, attempt + 1)
             except (_Retry, aiohttp.ClientConnectionError, asyncio.TimeoutError):
                 if attempt == self.retries:
                     raise
@@ -165,13 +172,15 @@ class _Retry(Exception):
     pass
 
 
-def _decode(status: int, content_type: str, raw: bytes) -> Any:
+def _decode(status: int, content_type: str, raw: bytes, attempts: int = 1) -> Any:
     body = msgpack.unpackb(raw, raw=False) if content_type == MSGPACK else \
         json.loads(raw) if raw else {}
     if status >= 400:
         if isinstance(body, dict):
-            raise ServiceError(status, str(body.get("error")), str(body.get("detail")))
-        raise ServiceError(status, "http_error", raw[:200].decode(errors="replace"))
+            raise ServiceError(status, str(body.get("error")), str(body.get("detail")),
+                               attempts=attempts)
+        raise ServiceError(status, "http_error", raw[:200].decode(errors="replace"),
+                           attempts=attempts)
     return body
 
 

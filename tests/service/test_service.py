@@ -253,3 +253,54 @@ def test_metrics_openapi_and_stats(client: Client, svc: RunningService) -> None:
     assert "/v1/match" in spec["paths"] and "/v1/storage/batch_exists" in spec["paths"]
     stats = client.stats()
     assert stats["hit_tokens"]["l1"] == 16 and stats["service"]["model"] == "tiny-hybrid"
+
+
+async def _drop_first_release_reply(service_port: int) -> tuple[asyncio.AbstractServer, int]:
+    """A loopback TCP proxy to the service that forwards everything but closes the client's
+    connection instead of relaying the reply to the first ``/v1/release`` (the release still
+    reaches the service): a reply lost on the way back."""
+    dropped = False
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal dropped
+        up_r, up_w = await asyncio.open_connection("127.0.0.1", service_port)
+        try:
+            while head := await reader.readuntil(b"\r\n\r\n"):
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                body = await reader.readexactly(length)
+                up_w.write(head + body)
+                reply_head = await up_r.readuntil(b"\r\n\r\n")
+                n = next(int(line.split(b":")[1]) for line in reply_head.split(b"\r\n")
+                         if line.lower().startswith(b"content-length:"))
+                reply = reply_head + await up_r.readexactly(n)
+                if b"/v1/release" in head.split(b"\r\n")[0] and not dropped:
+                    dropped = True
+                    return  # the service released it; the client never hears so
+                writer.write(reply)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+            up_w.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+async def test_a_retried_release_whose_reply_was_lost_counts_as_released(
+        svc: RunningService) -> None:
+    port = int(svc.url.rsplit(":", 1)[1])
+    proxy, proxy_port = await _drop_first_release_reply(port)
+    try:
+        async with AsyncClient(f"http://127.0.0.1:{proxy_port}", retries=2,
+                               backoff_s=0.01) as c:
+            await c.insert(prompt(7), **envelopes(7))  # type: ignore[arg-type]
+            lease = (await c.match(prompt(7), lock=True))["lease"]
+            await c.release(lease)  # first reply lost, the retry finds it released: no error
+            with pytest.raises(ServiceError) as err:  # a release that never happened still is
+                await c.release(lease)
+            assert err.value.status == 404 and err.value.attempts == 1
+    finally:
+        proxy.close()
+        await proxy.wait_closed()
