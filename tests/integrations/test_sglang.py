@@ -520,7 +520,8 @@ def test_bench_runs_small(redis_bin: str) -> None:
     bench.add_arguments(parser)
     result = bench.run(parser.parse_args(["--page-tokens", "4", "--batch", "4", "--batches",
                                           "2", "--rounds", "1"]))
-    names = ["HiCacheFile", "tierstore shm", "tierstore http", "tierstore, Redis gets"]
+    names = ["HiCacheFile", "tierstore shm", "tierstore http", "tierstore, Redis gets",
+             "tierstore shm, no Redis"]
     assert result["available"] and [(r["backend"], r["path"]) for r in result["rows"]] == [
         (name, path) for path in ("generic", "v1") for name in names]
     assert all(r["set_pages_s"] > 0 and r["get_pages_s"] > 0 for r in result["rows"])

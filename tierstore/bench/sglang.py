@@ -16,13 +16,17 @@ interleaved rounds (median):
 - ``tierstore http``: the same service, the adapter told ``transport: http`` (every page
   crosses HTTP);
 - ``tierstore, Redis gets``: a host LRU too small to hold a page, so every get comes from
-  Redis (over HTTP).
+  Redis (over HTTP);
+- ``tierstore shm, no Redis``: shared memory to a service without L3, i.e. a host-local store
+  like HiCacheFile (what the Redis write-through costs the writer on a shared 2-core host).
 
 The in-process services share the interpreter (and its GIL) with the adapter; ``--url``
 measures a ``tierstore serve`` running in its own process instead, as SGLang would use it.
 
-Each round writes fresh keys, waits (untimed, reported as ``redis_drain_ms``) until the
-service's background Redis writes of them are done, reads them back (checking bytes), then
+Contenders take turns in a rotating order, with an untimed ``sync`` after each (so page-cache
+writeback of HiCacheFile's files does not run in the next contender's turn). Each round writes
+fresh keys, waits (untimed, reported as ``redis_drain_ms``) until the service's background Redis
+writes of them are done, reads them back (checking bytes), then
 clears the store. A set counts as done when the service holds the pages in host memory (shm
 commits write to Redis behind; HTTP sets wait for Redis). Needs SGLang
 (``pip install --no-deps sglang==0.5.23`` and
@@ -172,11 +176,11 @@ def run(args: argparse.Namespace) -> dict:
             attn_cp_size=1, is_mla_model=False, enable_storage_metrics=False,
             is_page_first_layout=True, model_name=layout.name, extra_config=extra)
 
-    def service(redis: RedisServer, prefix: str, host_bytes: int) -> RunningService:
+    def service(redis: RedisServer | None, prefix: str, host_bytes: int) -> RunningService:
         store = TierStore(tiny_layout(), StoreConfig(capacity_bytes=1 << 20))
         config = ServiceConfig(port=free_port(), kv_host_bytes=host_bytes)
-        remote = RemoteTierConfig(url=redis.url, key_prefix=prefix,
-                                  max_value_bytes=max(64 << 20, 2 * page_bytes))
+        remote = None if redis is None else RemoteTierConfig(
+            url=redis.url, key_prefix=prefix, max_value_bytes=max(64 << 20, 2 * page_bytes))
         return RunningService(store, config, remote).start()
 
     working_set = args.batch * args.batches * page_bytes
@@ -184,11 +188,13 @@ def run(args: argparse.Namespace) -> dict:
         tmp = stack.enter_context(tempfile.TemporaryDirectory(dir=args.dir))
         redis = None if args.url else stack.enter_context(RedisServer())
         services = [] if redis is None else [service(redis, "bench-lru", 2 * working_set),
-                                             service(redis, "bench-r", 1)]
+                                             service(redis, "bench-r", 1),
+                                             service(None, "", 2 * working_set)]
         urls = {f"tierstore at {args.url}": (args.url, "auto", None)} if args.url else {
             "tierstore shm": (services[0].url, "shm", services[0]),
             "tierstore http": (services[0].url, "http", services[0]),
-            "tierstore, Redis gets": (services[1].url, "http", services[1])}
+            "tierstore, Redis gets": (services[1].url, "http", services[1]),
+            "tierstore shm, no Redis": (services[2].url, "shm", services[2])}
         try:
             backends = {"HiCacheFile": StorageBackendFactory.create_backend(
                 "file", storage_config({"file_storage_path": tmp}), None)}
@@ -204,12 +210,14 @@ def run(args: argparse.Namespace) -> dict:
             samples: dict[tuple[str, str], dict[str, list[float]]] = {
                 (name, path): {"set": [], "get": [], "drain": []}
                 for path in ops for name in backends}
+            order = list(samples)
             for r in range(args.rounds):
-                for (name, path), sample in samples.items():
+                for name, path in order[r % len(order):] + order[:r % len(order)]:
                     timed = _round(backends[name], f"{r}/{name}/{path}", ops[path],
                                    args.batches, drains[name])
                     for what, seconds in zip(("set", "get", "drain"), timed, strict=True):
-                        sample[what].append(seconds)
+                        samples[(name, path)][what].append(seconds)
+                    os.sync()  # no writeback of HiCacheFile's files in the next turn
             for name, backend in backends.items():
                 if name != "HiCacheFile":
                     backend.close()
