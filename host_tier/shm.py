@@ -1,7 +1,10 @@
 """Named shared-memory segments: created 0600 under ``/dev/shm`` with unguessable names.
 
-The creator owns a segment (it unlinks it on :meth:`SharedSegment.close` or at interpreter
-exit); other processes of the same user map it by name with :meth:`SharedSegment.attach`.
+The creator owns a segment (it unlinks it on :meth:`SharedSegment.close`, when the handle is
+garbage-collected, or at interpreter exit); other processes of the same user map it by name with
+:meth:`SharedSegment.attach`. Names carry the creator's pid, and creating a segment first
+unlinks this user's segments whose creator has died (a SIGKILLed service cannot unlink its own:
+without the sweep each crash would leak its whole segment in ``/dev/shm``).
 A segment starts with a one-page header holding a magic and a random nonce, so an attacher can
 prove it mapped the creator's memory (same host) rather than an unrelated file of that name.
 Bytes are exposed as one ``uint8`` tensor; when CUDA exists the creator pins them
@@ -10,13 +13,12 @@ Bytes are exposed as one ``uint8`` tensor; when CUDA exists the creator pins the
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
 import mmap
 import os
+import re
 import secrets
-import threading
 import weakref
 
 import torch
@@ -27,8 +29,8 @@ SHM_DIR = "/dev/shm"
 HEADER_BYTES = 4096
 _MAGIC = b"TIERSTORE-SHM-1\0"
 _NONCE_BYTES = 32
-_LIVE: weakref.WeakSet[SharedSegment] = weakref.WeakSet()
-_LIVE_LOCK = threading.Lock()
+# {prefix}-{creator pid}-{128 random bits}
+_OWNED_NAME = re.compile(r"^tierstore[a-z0-9-]*?-(\d+)-[0-9a-f]{32}$")
 
 
 class ShmError(OSError):
@@ -57,9 +59,8 @@ class SharedSegment:
         self._full: torch.Tensor | None = full
         self.pinned = False
         self._pin()
-        if owner:
-            with _LIVE_LOCK:
-                _LIVE.add(self)
+        # The owner's name goes when the handle does (close, garbage collection or exit).
+        self._unlink = weakref.finalize(self, _unlink, name) if owner else None
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
@@ -68,7 +69,8 @@ class SharedSegment:
         raises ShmError here, never SIGBUS later), readable and writable only by this user."""
         if nbytes <= 0:
             raise ValueError(f"nbytes must be positive, got {nbytes}")
-        name = f"{prefix}-{secrets.token_hex(16)}"
+        sweep_orphans()
+        name = f"{prefix}-{os.getpid()}-{secrets.token_hex(16)}"
         nonce = secrets.token_bytes(_NONCE_BYTES)
         total = HEADER_BYTES + nbytes
         try:
@@ -112,11 +114,8 @@ class SharedSegment:
     def close(self) -> None:
         """Drop this handle's mapping (and, for the owner, unlink the name at once). Views of
         ``tensor`` still alive keep the memory mapped until they go. Idempotent."""
-        if self.owner:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(_path(self.name))
-            with _LIVE_LOCK:
-                _LIVE.discard(self)
+        if self._unlink is not None:
+            self._unlink()
         if self._map is None:
             return
         self._unpin()
@@ -171,10 +170,34 @@ def available(nbytes: int = 0) -> bool:
     return os.access(SHM_DIR, os.W_OK) and st.f_bavail * st.f_frsize >= nbytes
 
 
-@atexit.register
-def _unlink_all() -> None:
-    """Owners' segments never outlive the interpreter (a SIGKILL still leaks them)."""
-    with _LIVE_LOCK:
-        live = list(_LIVE)
-    for segment in live:
-        segment.close()
+def _unlink(name: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(_path(name))
+
+
+def sweep_orphans() -> list[str]:
+    """Unlink this user's segments whose creating process no longer exists; their names.
+    (A pid reused by another process keeps its segment until that process is gone too.)"""
+    removed: list[str] = []
+    try:
+        entries = list(os.scandir(SHM_DIR))
+    except OSError:
+        return removed
+    me = os.getuid()
+    for entry in entries:
+        m = _OWNED_NAME.match(entry.name)
+        if m is None or int(m.group(1)) == os.getpid():
+            continue
+        try:
+            if entry.stat(follow_symlinks=False).st_uid != me:
+                continue
+            os.kill(int(m.group(1)), 0)
+        except ProcessLookupError:
+            _unlink(entry.name)
+            removed.append(entry.name)
+        except OSError:  # alive under another user, or gone meanwhile
+            continue
+    if removed:
+        log.warning("removed %d shared segments left by dead processes: %s", len(removed),
+                    ", ".join(removed))
+    return removed

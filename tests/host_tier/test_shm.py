@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -66,6 +68,35 @@ def test_owner_segments_are_unlinked_at_exit() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=120)
     assert not os.path.exists(os.path.join(SHM_DIR, out.stdout.strip()))
+
+
+def test_a_dropped_handle_unlinks_its_segment() -> None:
+    seg = SharedSegment.create(4096)
+    path = os.path.join(SHM_DIR, seg.name)
+    del seg
+    gc.collect()
+    assert not os.path.exists(path)
+
+
+def test_a_killed_creators_segment_is_swept_by_the_next_create() -> None:
+    code = ("import sys, time; from host_tier.shm import SharedSegment as S; "
+            "s = S.create(4096); print(s.name, flush=True); time.sleep(600)")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        name = child.stdout.readline().strip()
+        path = os.path.join(SHM_DIR, name)
+        with SharedSegment.create(4096):  # the creator is alive: its segment stays
+            assert os.path.exists(path)
+        child.send_signal(signal.SIGKILL)  # cannot unlink anything now
+        child.wait(timeout=30)
+        assert os.path.exists(path)
+        with SharedSegment.create(4096):
+            assert not os.path.exists(path)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=30)
 
 
 def test_close_with_live_views_keeps_them_readable() -> None:
