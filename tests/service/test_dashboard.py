@@ -173,7 +173,8 @@ def served(request: pytest.FixtureRequest) -> Iterator[tuple[str, str | None, di
     """A service (with the auth token when parametrized so) after the workload, and its stats."""
     token = getattr(request, "param", None)
     store = TierStore(LAYOUT, StoreConfig(capacity_bytes=64 << 10, host_capacity_bytes=1 << 20))
-    config = ServiceConfig(port=free_port(), auth_token=token, max_body_bytes=4 << 20)
+    config = ServiceConfig(port=free_port(), auth_token=token, max_body_bytes=4 << 20,
+                           kv_host_bytes=1 << 20)
     with RunningService(store, config) as svc:
         workload(svc.url, token)
         yield svc.url, token, stats(svc.url, token)

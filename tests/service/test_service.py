@@ -179,7 +179,7 @@ def test_tier_unavailable_is_503_and_the_client_retries(svc: RunningService,
 
 
 def test_auth_token_required_everywhere_but_healthz() -> None:
-    config = ServiceConfig(port=free_port(), auth_token=TOKEN)
+    config = ServiceConfig(port=free_port(), auth_token=TOKEN, kv_host_bytes=1 << 20)
     with RunningService(new_store(), config) as svc:
         status, body = raw_post(svc.url, "/v1/match", msgpack.packb({"tokens": [1]}))
         assert status == 401 and body["error"] == "unauthorized"

@@ -23,7 +23,7 @@ class RunningService:
 
     def __init__(self, store: TierStore, config: ServiceConfig | None = None,
                  kv_remote: RemoteTierConfig | None = None) -> None:
-        self.config = config or ServiceConfig(port=free_port())
+        self.config = config or ServiceConfig(port=free_port(), kv_host_bytes=16 << 20)
         if self.config.port == 0:
             raise ValueError("give RunningService a concrete port (free_port())")
         self.service = Service(store, self.config, kv_remote)
