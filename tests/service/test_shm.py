@@ -3,6 +3,8 @@ that map its segment — in this process and in subprocesses (one of them SIGKIL
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import hashlib
 import os
 import signal
@@ -20,6 +22,7 @@ from host_tier import shm
 from remote_tier import RemoteTierConfig
 from tierstore.client import Client, ServiceError
 from tierstore.config import StoreConfig
+from tierstore.service import server
 from tierstore.service.config import ServiceConfig
 from tierstore.service.kv import COPY_ON_LOOP_BYTES
 from tierstore.shm_client import (
@@ -383,3 +386,20 @@ def test_large_http_sets_are_copied_off_the_loop() -> None:
             local.service.kv.host.check_integrity()
     finally:
         local.stop()
+
+
+def test_serve_flags_size_or_turn_off_the_segment() -> None:
+    parser = argparse.ArgumentParser()
+    server.add_arguments(parser)
+    common = ["--no-redis", "--device", "cpu", "--l1", "1MiB", "--l2", "0", "--scale", "1/2048"]
+    for extra, shared in ((["--kv-host", "2MiB"], True), (["--no-shm"], False)):
+        with contextlib.ExitStack() as stack:
+            service, config = server.build(parser.parse_args(common + extra), stack)
+            try:
+                assert config.shm is shared
+                assert (service.kv.host.segment is not None) is shared
+                if shared:
+                    assert service.kv.host.segment.nbytes == 2 << 20
+            finally:
+                service.kv.host.close()
+                service.store.close()

@@ -47,6 +47,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         choices=["write_back", "write_through", "write_through_selective"])
     parser.add_argument("--max-body", default="1GiB", help="largest request body")
     parser.add_argument("--lease-ttl", type=float, default=30.0, help="seconds a lease lives")
+    parser.add_argument("--kv-host", default="1GiB",
+                        help="the storage API's host copy (a shared segment in /dev/shm, "
+                             "committed at start)")
+    parser.add_argument("--no-shm", action="store_true",
+                        help="keep the storage API's host copy in private memory: no "
+                             "same-host shared-memory clients, HTTP only")
     limits = ServiceConfig()
     parser.add_argument("--max-connections", type=int, default=limits.max_connections,
                         help="open connections; beyond, the longest-idle one is closed")
@@ -111,6 +117,8 @@ def build(args: argparse.Namespace, stack: ExitStack) -> tuple[Service, ServiceC
                                    auth_token=args.auth_token or env.auth_token,
                                    max_body_bytes=parse_size(args.max_body),
                                    lease_ttl_s=args.lease_ttl,
+                                   kv_host_bytes=parse_size(args.kv_host),
+                                   shm=not args.no_shm,
                                    max_connections=args.max_connections,
                                    keepalive_timeout_s=args.idle_timeout,
                                    header_timeout_s=args.header_timeout,
