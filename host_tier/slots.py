@@ -47,6 +47,10 @@ class ByteSlots:
     def num_used(self) -> int:
         return len(self._used)
 
+    def starts(self) -> set[int]:
+        """Starts of the allocated ranges."""
+        return set(self._used)
+
     def size(self, start: int) -> int:
         """The aligned size of the allocated range at ``start``."""
         return self._used[start]

@@ -217,7 +217,7 @@ class HostValues:
         reserved = {v.start for vs, _ in self._reserved.values() for _, v in vs
                     if v is not None}
         leased = {v.start for vs, _ in self._leases.values() for v in vs}
-        assert set(self.slots._used) >= indexed | reserved | leased
+        assert self.slots.starts() >= indexed | reserved | leased
 
     def close(self) -> None:
         """Unlink the segment (mapped clients keep their mapping until they drop it)."""
