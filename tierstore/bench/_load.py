@@ -61,10 +61,12 @@ class Served:
             fields = f.read().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-    def store_busy_s(self) -> float:
-        """Seconds the service's store thread has spent in store calls (``/v1/stats``)."""
+    def store_busy_s(self) -> float | None:
+        """Seconds the service's store thread has spent in store calls (``/v1/stats``; None
+        from a service that does not report it)."""
         with urllib.request.urlopen(self.url + "/v1/stats", timeout=30) as response:
-            return float(json.loads(response.read())["service"]["store_busy_s"])
+            busy = json.loads(response.read())["service"].get("store_busy_s")
+        return None if busy is None else float(busy)
 
 
 @contextmanager
@@ -143,7 +145,7 @@ def read_rates(url: str, pages: int, unit: int, repeat: int) -> dict[str, float]
 
 
 # ------------------------------------------------------------------ the load mix
-def run_mix(served: Served, transport: str, spec: LoadSpec, unit: int) -> dict[str, float]:
+def run_mix(served: Served, transport: str, spec: LoadSpec, unit: int) -> dict[str, Any]:
     """Requests/s, p50/p99 (ms), the service's CPU per request and wrong bytes of the mix,
     clients in child processes."""
     url = served.url
@@ -164,7 +166,8 @@ def run_mix(served: Served, transport: str, spec: LoadSpec, unit: int) -> dict[s
         start, cpu, busy = time.perf_counter(), served.cpu_s(), served.store_busy_s()
         got = [results.get(timeout=600) for _ in range(spec.processes)]
         elapsed, cpu = time.perf_counter() - start, served.cpu_s() - cpu
-        busy = served.store_busy_s() - busy
+        end_busy = served.store_busy_s()
+        busy_share = None if busy is None or end_busy is None else (end_busy - busy) / elapsed
     finally:
         for p in procs:
             p.join(timeout=60)
@@ -176,7 +179,7 @@ def run_mix(served: Served, transport: str, spec: LoadSpec, unit: int) -> dict[s
             "wrong_bytes": sum(g["wrong"] for g in got),
             "service_cpu_ms": cpu / len(latencies) * 1e3,
             "service_cores": cpu / elapsed,
-            "store_thread_busy": busy / elapsed,
+            "store_thread_busy": busy_share,
             "shm_clients": sum(g["shm"] for g in got)}
 
 
