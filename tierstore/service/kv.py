@@ -27,6 +27,7 @@ COPY_ON_LOOP_BYTES = 4 << 20
 # flight a commit waits for its own write (back-pressure).
 WRITE_BEHIND_BYTES = 256 << 20
 
+
 class BadKeyError(ValueError):
     """A key that is empty, too long or not printable ASCII."""
 
