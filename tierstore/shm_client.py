@@ -33,6 +33,10 @@ class ShmUnavailable(RuntimeError):
     """Shared memory cannot be used with this service (another host, no segment, refused)."""
 
 
+class ServiceUnreachable(ShmUnavailable):
+    """The service did not answer the attach (down or restarting): try again later."""
+
+
 class SegmentChanged(ShmUnavailable):
     """The service behind the URL is not the one whose segment this transport mapped (it
     restarted): attach again."""
@@ -67,7 +71,7 @@ class SharedMemoryTransport:
         except (ShmError, KeyError, TypeError) as exc:
             raise ShmUnavailable(f"cannot map the service's segment: {exc}") from exc
         except (OSError, asyncio.TimeoutError) as exc:  # the service is unreachable
-            raise ShmUnavailable(f"cannot reach the service: {exc}") from exc
+            raise ServiceUnreachable(f"cannot reach the service: {exc}") from exc
         return cls(client, segment, ttl)
 
     # ------------------------------------------------------------------ reads

@@ -498,6 +498,26 @@ def test_pages_cross_between_transports(make_backend: Factory) -> None:
     assert same_bytes(pools[0].get_data_page(48), pools[1].get_data_page(0))
 
 
+@pytest.mark.parametrize("transport", ["auto"])
+def test_a_service_that_starts_later_is_attached(make_backend: Factory,
+                                                 redis_server: RedisServer) -> None:
+    port = free_port()
+    backend = make_backend(url=f"http://127.0.0.1:{port}", retry_down_s=0.2)
+    keys, data = page_keys("late", 2), pages(2, seed=15)
+    assert backend.transport == "http" and backend.batch_exists(keys) == 0
+    late = start_service(redis_server, port=port)
+    try:
+        deadline = time.monotonic() + 20
+        while not backend.batch_set(keys, data):
+            assert time.monotonic() < deadline, "never reached the service"
+            time.sleep(0.05)
+        assert backend.transport == "shm"  # attached as soon as it answered, no long backoff
+        got = backend.batch_get(keys)
+        assert all(g is not None and same_bytes(g, d) for g, d in zip(got, data, strict=True))
+    finally:
+        late.stop()
+
+
 @pytest.mark.parametrize("transport", ["shm"])
 def test_pages_larger_than_host_memory_go_over_http(make_backend: Factory) -> None:
     """The service's host copy is 1 MiB: a bigger page cannot be reserved in the segment,

@@ -23,6 +23,7 @@ from tierstore.integrations._support import TierStoreL3Config, _chunks, _Counter
 from tierstore.shm_client import (
     LeaseExpired,
     SegmentChanged,
+    ServiceUnreachable,
     SharedMemoryTransport,
     ShmUnavailable,
 )
@@ -56,6 +57,7 @@ class ServiceIO:
         self._down = False
         self._shm: SharedMemoryTransport | None = None
         self._shm_retry_at = 0.0
+        self._shm_backoff_s = 0.0
         self.client = Client(config.url, token=config.auth_token, timeout_s=config.timeout_s,
                              retries=config.retries)
         self.reachable = self.client.health()
@@ -69,22 +71,29 @@ class ServiceIO:
         return "shm" if self._shm is not None else "http"
 
     def transport(self) -> SharedMemoryTransport | None:
-        """The shared-memory transport, (re)attached at most every few seconds when it is
-        missing; None means HTTP."""
+        """The shared-memory transport, or None (HTTP). When it is missing, attaching is
+        retried after 5 s, doubling up to 5 min while it keeps failing (e.g. another host);
+        ``auto`` logs the first failure only."""
         if self.config.transport == "http" or self._shm is not None:
             return self._shm
         with self._lock:
             if self._shm is None and time.monotonic() >= self._shm_retry_at:
                 try:
                     self._shm = SharedMemoryTransport.attach(self.client)
+                    self._shm_backoff_s = 0.0
                     log.info("tierstore HiCache L3: shared-memory transport to %s",
                              self.config.url)
+                except ServiceUnreachable:  # down: attach again soon, as requests retry
+                    self._shm_retry_at = time.monotonic() + self.config.retry_down_s
                 except ShmUnavailable as exc:
-                    self._shm_retry_at = time.monotonic() + max(5.0, self.config.retry_down_s)
+                    first = self._shm_backoff_s == 0.0
+                    self._shm_backoff_s = min(300.0, max(5.0, self.config.retry_down_s,
+                                                         2 * self._shm_backoff_s))
+                    self._shm_retry_at = time.monotonic() + self._shm_backoff_s
                     if self.config.transport == "shm":
                         self._log.warning("tierstore: transport 'shm' is not available (%s); "
                                           "using HTTP meanwhile", exc)
-                    else:
+                    elif first:
                         log.info("tierstore HiCache L3: HTTP transport (%s)", exc)
             return self._shm
 
