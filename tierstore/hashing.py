@@ -87,7 +87,8 @@ class PageHasher:
         self._memo_bytes = memo_bytes
         self._memo_used = 0
         # (namespace, first page's packed tokens) -> (packed tokens, their page keys)
-        self._memo: OrderedDict[tuple[str, bytes], tuple[bytes, list[bytes]]] = OrderedDict()
+        self._memo: OrderedDict[tuple[str, bytes], tuple[bytes, tuple[bytes, ...]]] = \
+            OrderedDict()
         self._roots: dict[str, bytes] = {}
 
     def root(self, namespace: str) -> bytes:
@@ -113,7 +114,7 @@ class PageHasher:
             seen_packed, seen_keys = seen
             if seen_packed.startswith(packed):
                 self._memo.move_to_end(memo_key)
-                return seen_keys[:n]
+                return list(seen_keys[:n])
             if packed.startswith(seen_packed):
                 keys = list(seen_keys)
             else:  # the shared leading pages
@@ -122,7 +123,7 @@ class PageHasher:
                 while shared < limit and packed[shared * step : (shared + 1) * step] \
                         == seen_packed[shared * step : (shared + 1) * step]:
                     shared += 1
-                keys = seen_keys[:shared]
+                keys = list(seen_keys[:shared])
         h = keys[-1] if keys else self.root(namespace)
         digest = self._digest
         for i in range(len(keys), n):
@@ -132,12 +133,13 @@ class PageHasher:
         return keys
 
     def _remember(self, memo_key: tuple[str, bytes], packed: bytes, keys: list[bytes]) -> None:
+        """Keep ``keys`` (as an immutable copy: callers own the lists they get)."""
         if len(packed) > self._memo_bytes // 4:
             return
         old = self._memo.pop(memo_key, None)
         if old is not None:
             self._memo_used -= len(old[0])
-        self._memo[memo_key] = (packed, keys)
+        self._memo[memo_key] = (packed, tuple(keys))
         self._memo_used += len(packed)
         while self._memo_used > self._memo_bytes:
             _, (gone, _) = self._memo.popitem(last=False)

@@ -51,3 +51,17 @@ def test_token_inputs_agree_and_bad_ones_are_named() -> None:
 def test_bad_namespaces_raise(ns: object) -> None:
     with pytest.raises(NamespaceError):
         PageHasher("m", "l", 4).root(ns)  # type: ignore[arg-type]
+
+
+def test_remembered_keys_equal_fresh_ones_and_callers_own_their_lists() -> None:
+    memo = PageHasher("m", "l", 4)
+    fresh = PageHasher("m", "l", 4, memo_bytes=0)
+    base = list(range(40))
+    prompts = [base, base + [7] * 8, base[:20], base[:24] + [9] * 16, base[:3],
+               [5] + base[1:40]]
+    for ns in ("tenant-a", "tenant-b"):
+        for p in prompts + prompts[::-1]:
+            got = memo.pages(as_tokens(p), ns)
+            assert got == fresh.pages(as_tokens(p), ns)
+            got.clear()  # a caller changing its list must not change what is remembered
+    assert memo.pages(as_tokens(base), "tenant-a") == fresh.pages(as_tokens(base), "tenant-a")
