@@ -6,6 +6,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 
+import numpy as np
 import torch
 
 import kernels
@@ -383,10 +384,10 @@ class Arena:
         holes = p.take_holes(n_holes)
         n_up = min(up, need)
         n_down = need - n_up
-        new = torch.cat([torch.arange(p.lo - n_down, p.lo), torch.arange(p.hi, p.hi + n_up)])
+        parts = [holes.numpy(), np.arange(p.lo - n_down, p.lo), np.arange(p.hi, p.hi + n_up)]
         p.lo -= n_down
         p.hi += n_up
-        return torch.cat([holes, new])
+        return torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False))
 
     def _plan(self, request: Mapping[str, int]) -> Plan | None:
         return plan(self._low, self._float, self._high, self.capacity_bytes, request)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 
+import numpy as np
 import torch
 
 from gpu_arena.spec import IntegrityError, PoolSpec
@@ -42,6 +43,8 @@ class Pool:
         # and several through torch, and the hot paths (alloc, free) are a few elements.
         self.loc_np = self.loc.numpy()
         self.owner_np = self.owner.numpy()
+        self._readers_np = self.readers.numpy()
+        self._writers_np = self.writers.numpy()
         self._free_np = self.free_ids.numpy()
         self.num_free_ids = max_slots
         self.num_live = 0
@@ -256,8 +259,8 @@ class Pool:
         chunk = 8
         while hi > lo:
             start = max(lo, hi - chunk)
-            idx = torch.nonzero(self.occupied(start, hi)).flatten()
-            if idx.numel():
+            idx = np.flatnonzero(self._occupied_np(start, hi))
+            if idx.size:
                 return start + int(idx[-1])
             hi, chunk = start, chunk * 8
         return lo - 1
@@ -267,11 +270,18 @@ class Pool:
         chunk = 8
         while lo < hi:
             stop = min(hi, lo + chunk)
-            idx = torch.nonzero(self.occupied(lo, stop)).flatten()
-            if idx.numel():
+            idx = np.flatnonzero(self._occupied_np(lo, stop))
+            if idx.size:
                 return lo + int(idx[0])
             lo, chunk = stop, chunk * 8
         return hi
+
+    def _occupied_np(self, lo: int, hi: int) -> np.ndarray:
+        """:meth:`occupied` on the numpy views (the few-slot scans of :meth:`trim`)."""
+        live = self.owner_np[lo:hi] >= 0
+        if self.fenced_refs:
+            live |= (self._readers_np[lo:hi] > 0) | (self._writers_np[lo:hi] > 0)
+        return live
 
     # ------------------------------------------------------------- integrity
     def check(self) -> None:
