@@ -251,3 +251,56 @@ def test_bad_device_is_a_config_error(device: str) -> None:
 
     with pytest.raises(ValueError, match="device"):
         StoreConfig(capacity_bytes=1 << 20, device=device)
+
+
+# ------------------------------------------------------------------ engine-shaped calls
+def test_insert_takes_only_the_new_pages_after_a_match(hybrid: TierStore) -> None:
+    put(hybrid, toks(8))
+    m = hybrid.match(toks(16))
+    assert m.pages == 2
+    alloc = hybrid.allocate({"kv": 2, "swa": 2, "state": 1})
+    assert alloc is not None
+    r = hybrid.insert(toks(16), kv=alloc["kv"], swa=alloc["swa"], state=alloc["state"])
+    assert (r.new_pages, r.cached_pages, r.checkpoint) == (2, 2, True)
+    hybrid.release(m.lease)  # type: ignore[arg-type]
+    full = hybrid.match(toks(16))
+    assert full.pages == 4 and full.kv[2:].tolist() == alloc["kv"].tolist()
+    hybrid.release(full.lease)  # type: ignore[arg-type]
+    hybrid.check_integrity()
+
+
+def test_trailing_pages_need_the_leading_ones_cached(hybrid: TierStore) -> None:
+    put(hybrid, toks(8))
+    alloc = hybrid.allocate({"kv": 1})
+    assert alloc is not None
+    before = (hybrid.stats(), hybrid.index.num_pages)
+    with pytest.raises(ShapeError, match="the first 2 pages are cached"):
+        hybrid.insert(toks(16), kv=alloc["kv"])  # pages 2 and 3 are new: two ids needed
+    with pytest.raises(ShapeError, match="need 4 envelopes"):
+        hybrid.insert(toks(16, 900), kv=alloc["kv"])  # nothing cached: every page
+    assert (hybrid.stats(), hybrid.index.num_pages) == before
+    hybrid.free("kv", alloc["kv"])
+    hybrid.check_integrity()
+
+
+def test_read_prefix_pins_the_matched_rows_until_closed(hybrid: TierStore) -> None:
+    units = {k: hybrid.arena.spec(k).unit_bytes for k in hybrid.kinds}
+    g = torch.Generator().manual_seed(1)
+    kv = torch.randint(0, 256, (4, units["kv"]), dtype=torch.uint8, generator=g)
+    swa = torch.randint(0, 256, (2, units["swa"]), dtype=torch.uint8, generator=g)
+    state = torch.randint(0, 256, (units["state"],), dtype=torch.uint8, generator=g)
+    hybrid.insert(toks(16), kv=kv, swa=swa, state=state)
+    with hybrid.read_prefix(toks(17)) as read:
+        assert read.match.pages == 4
+        assert torch.equal(torch.stack(read.rows["kv"]), kv)  # type: ignore[arg-type]
+        assert read.rows["swa"][:2] == [None, None]  # outside the window: tombstones
+        assert torch.equal(torch.stack(read.rows["swa"][2:]), swa)  # type: ignore[arg-type]
+        assert torch.equal(read.rows["state"][0], state)  # type: ignore[arg-type]
+        assert hybrid.arena.stats().pending_fences == 3  # kv, swa, state rows fenced
+        assert hybrid.allocate({"kv": 10_000}) is None  # leased: nothing to evict
+        assert hybrid.peek(toks(16)) == 16
+    assert hybrid.arena.stats().pending_fences == 0
+    read.close()  # idempotent
+    assert hybrid.allocate({"kv": 10_000}) is None  # too big anyway, but now it could evict
+    assert hybrid.peek(toks(16)) == 0
+    hybrid.check_integrity()
