@@ -143,21 +143,16 @@ class Mover:
         remote = self.remote
         assert remote is not None
         arena = self.arena if tier == Tier.L1 else self.host.arena  # type: ignore[union-attr]
-        entries: list[tuple[str, int]] = []  # (kind, page index), pages first
-        items = []
-        for j in range(len(node.keys)):
-            for kind in self.page_kinds:
-                if node.ids(tier, kind)[j] >= 0 and node.ids(Tier.L3, kind)[j] < 0:
-                    entries.append((kind, j))
-        by_kind: dict[str, list[int]] = {}
-        for kind, j in entries:
-            by_kind.setdefault(kind, []).append(j)
-        rows = {kind: arena.read(kind, [node.ids(tier, kind)[j] for j in js]).cpu().numpy()
-                for kind, js in by_kind.items()}
-        cursor = dict.fromkeys(by_kind, 0)
-        for kind, j in entries:
-            items.append((remote.key(node.keys[j], kind), rows[kind][cursor[kind]]))
-            cursor[kind] += 1
+        pages = []  # (page index, kind's rank, kind, bytes): pages in order, kv before swa
+        for rank, kind in enumerate(self.page_kinds):
+            ids, in_l3 = node.ids(tier, kind), node.ids(Tier.L3, kind)
+            js = [j for j, v in enumerate(ids) if v >= 0 and in_l3[j] < 0]
+            if js:
+                rows = arena.read(kind, [ids[j] for j in js]).cpu().numpy()
+                pages += [(j, rank, kind, row) for j, row in zip(js, rows, strict=True)]
+        pages.sort(key=lambda page: page[:2])
+        entries = [(kind, j) for j, _, kind, _ in pages]
+        items = [(remote.key(node.keys[j], kind), row) for j, _, kind, row in pages]
         if "state" in self.kinds and node.checkpoint(tier) >= 0 \
                 and node.checkpoint(Tier.L3) < 0:
             entries.append((CHECKPOINT, 0))
