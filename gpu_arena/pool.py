@@ -82,8 +82,7 @@ class Pool:
 
     def occupied(self, lo: int, hi: int) -> torch.Tensor:
         """Mask over slots ``[lo, hi)``: live or pending (not reusable)."""
-        live = self.owner[lo:hi] >= 0
-        return live | self.fenced(lo, hi) if self.fenced_refs else live
+        return torch.from_numpy(self._occupied_np(lo, hi))
 
     def holes(self) -> torch.Tensor:
         """Every reusable slot of the band, nearest the anchor first (a scan of the band)."""
@@ -277,7 +276,7 @@ class Pool:
         return hi
 
     def _occupied_np(self, lo: int, hi: int) -> np.ndarray:
-        """:meth:`occupied` on the numpy views (the few-slot scans of :meth:`trim`)."""
+        """:meth:`occupied` as a numpy mask (cheap for the few-slot scans of :meth:`trim`)."""
         live = self.owner_np[lo:hi] >= 0
         if self.fenced_refs:
             live |= (self._readers_np[lo:hi] > 0) | (self._writers_np[lo:hi] > 0)

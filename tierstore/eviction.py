@@ -150,13 +150,6 @@ def victims(index: RadixIndex, tier: int, accept: Callable[[Node], bool]) -> Ite
             heapq.heappush(heap, (key(parent), parent.serial, parent))
 
 
-def scan_victim(index: RadixIndex, tier: int) -> Node | None:
-    """The first victim of ``tier`` found by scanning every node (the definition the queue
-    must agree with; tests use it as the oracle)."""
-    found = [n for n in index.nodes() if n.evictable(tier)]
-    return min(found, key=lambda n: (index.key(n), n.serial)) if found else None
-
-
 class StopCondition:
     """Tracks freed blocks during one eviction round and says when to stop."""
 

@@ -179,12 +179,17 @@ def test_allocate_none_when_nothing_can_be_evicted() -> None:
 
 
 # ------------------------------------------------------------------ bytes, leases, errors
+def random_envelopes(s: TierStore, seed: int) -> tuple[torch.Tensor, ...]:
+    """Random bytes for 4 KV pages, the 2-page SWA window and one checkpoint."""
+    units = {k: s.arena.spec(k).unit_bytes for k in s.kinds}
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, 256, (4, units["kv"]), dtype=torch.uint8, generator=g),
+            torch.randint(0, 256, (2, units["swa"]), dtype=torch.uint8, generator=g),
+            torch.randint(0, 256, (units["state"],), dtype=torch.uint8, generator=g))
+
+
 def test_insert_bytes_round_trip_and_dedupe(hybrid: TierStore) -> None:
-    units = {k: hybrid.arena.spec(k).unit_bytes for k in hybrid.kinds}
-    g = torch.Generator().manual_seed(0)
-    kv = torch.randint(0, 256, (4, units["kv"]), dtype=torch.uint8, generator=g)
-    swa = torch.randint(0, 256, (2, units["swa"]), dtype=torch.uint8, generator=g)
-    state = torch.randint(0, 256, (units["state"],), dtype=torch.uint8, generator=g)
+    kv, swa, state = random_envelopes(hybrid, seed=0)
     r = hybrid.insert(toks(16), kv=kv, swa=swa, state=state)
     assert r.stored and r.new_pages == 4 and r.checkpoint
     m = hybrid.match(toks(16))
@@ -284,11 +289,7 @@ def test_trailing_pages_need_the_leading_ones_cached(hybrid: TierStore) -> None:
 
 
 def test_read_prefix_pins_the_matched_rows_until_closed(hybrid: TierStore) -> None:
-    units = {k: hybrid.arena.spec(k).unit_bytes for k in hybrid.kinds}
-    g = torch.Generator().manual_seed(1)
-    kv = torch.randint(0, 256, (4, units["kv"]), dtype=torch.uint8, generator=g)
-    swa = torch.randint(0, 256, (2, units["swa"]), dtype=torch.uint8, generator=g)
-    state = torch.randint(0, 256, (units["state"],), dtype=torch.uint8, generator=g)
+    kv, swa, state = random_envelopes(hybrid, seed=1)
     hybrid.insert(toks(16), kv=kv, swa=swa, state=state)
     with hybrid.read_prefix(toks(17)) as read:
         assert read.match.pages == 4
@@ -301,6 +302,6 @@ def test_read_prefix_pins_the_matched_rows_until_closed(hybrid: TierStore) -> No
         assert hybrid.peek(toks(16)) == 16
     assert hybrid.arena.stats().pending_fences == 0
     read.close()  # idempotent
-    assert hybrid.allocate({"kv": 10_000}) is None  # too big anyway, but now it could evict
-    assert hybrid.peek(toks(16)) == 0
+    assert hybrid.allocate({"kv": 10_000}) is None  # never fits, but evicts what is unleased
+    assert hybrid.peek(toks(16)) == 0  # the lease is gone: the prefix was evicted
     hybrid.check_integrity()
