@@ -50,6 +50,14 @@ _FAMILY: dict[str, Recurrent] = {
     "jamba": "mamba1",
     **dict.fromkeys(("lfm2", "lfm2_moe"), "conv"),
 }
+# Mamba2 field names (heads, head dim, groups, state, conv kernel), picked by model type: a
+# config keeps unknown kwargs, so a key of the other spelling may ride along and must not win.
+_NEMOTRON_MAMBA2 = ("mamba_num_heads", "mamba_head_dim", "n_groups", "ssm_state_size",
+                    "conv_kernel")
+_GRANITE_MAMBA2 = ("mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state",
+                   "mamba_d_conv")  # Granite-4.0-H, Bamba, Falcon-H1
+_MAMBA2_NAMES = {"nemotron_h": _NEMOTRON_MAMBA2,
+                 **dict.fromkeys(("granitemoehybrid", "bamba", "falcon_h1"), _GRANITE_MAMBA2)}
 # Hybrids whose recurrent layers keep a state none of the flavours above describes: refused by
 # name rather than read with field names they happen to share with Qwen3-Next.
 _UNSUPPORTED = {
@@ -179,11 +187,9 @@ def recurrent_fields(config: dict[str, Any], flavour: Recurrent, tp_size: int
         ssm: tuple[int, ...] | None = (v_heads, k_dim, v_dim)
     elif flavour == "mamba2":
         why = "Mamba2 state"
-        # Nemotron-H's names, or those of Granite-4.0-H / Bamba / Falcon-H1
-        names = ("mamba_num_heads", "mamba_head_dim", "n_groups", "ssm_state_size", "conv_kernel")
-        if "mamba_n_heads" in config:
-            names = ("mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state",
-                     "mamba_d_conv")
+        names = _MAMBA2_NAMES.get(str(config.get("model_type")))
+        if names is None:  # no model type that fixes the spelling: the one its keys use
+            names = _GRANITE_MAMBA2 if "mamba_n_heads" in config else _NEMOTRON_MAMBA2
         heads_key, head_dim_key, groups_key, state_key, kernel_key = names
         heads = divide(config, heads_key, tp_size, why)
         groups = divide(config, groups_key, tp_size, why)

@@ -489,6 +489,33 @@ def test_nemotron_h_spellings_agree(spelling: dict[str, Any]) -> None:
     assert recurrent_shapes(layout) == {"conv.0": (4 * 3 + 2 * 2 * 5, 3), "ssm.0": (4, 3, 5)}
 
 
+@pytest.mark.parametrize("extra", [
+    {"mamba_n_heads": 64, "mamba_d_conv": 9, "unrelated_kwarg": [1, 2]},  # Granite-spelled keys
+    {"mamba_n_heads": 64},
+    {"some_vendor_flag": True, "mamba_d_state": 7},
+])
+def test_nemotron_h_spelling_follows_model_type(extra: dict[str, Any]) -> None:
+    # A config keeps unknown kwargs: keys of the other family's spelling ride along and must
+    # neither be read nor make the layout look for the rest of that spelling.
+    plain = layout_from_config(mamba_config())
+    layout = layout_from_config(mamba_config(**extra))
+    assert recurrent_shapes(layout) == recurrent_shapes(plain)
+    assert recurrent_shapes(layout)["ssm.0"] == (4, 3, 5)
+
+
+def test_granite_spelling_follows_model_type() -> None:
+    extra = {"mamba_num_heads": 64, "n_groups": 7, "conv_kernel": 2, "unrelated_kwarg": "x"}
+    config = {"model_type": "granitemoehybrid", "layer_types": ["mamba"], **MAMBA2_N}
+    assert (recurrent_shapes(layout_from_config({**config, **extra}))
+            == recurrent_shapes(layout_from_config(config)) == {"conv.0": (96, 3),
+                                                                "ssm.0": (4, 16, 8)})
+
+
+def test_mamba2_spelling_without_model_type_follows_its_keys() -> None:
+    layout = layout_from_config({"layer_types": ["mamba"], **MAMBA2_N})
+    assert recurrent_shapes(layout)["ssm.0"] == (4, 16, 8)
+
+
 @pytest.mark.parametrize("types", [["mamba", "attention", "mamba"],  # hub
                                    ["linear_attention", "full_attention", "linear_attention"]])
 def test_granite_4_h_layer_types(types: list[str]) -> None:
