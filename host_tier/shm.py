@@ -185,7 +185,7 @@ def sweep_orphans() -> list[str]:
         return removed
     me = os.getuid()
     for entry in entries:
-        m = _OWNED_NAME.match(entry.name)
+        m = _OWNED_NAME.fullmatch(entry.name)
         if m is None or int(m.group(1)) == os.getpid():
             continue
         try:

@@ -14,24 +14,73 @@ import asyncio
 import json
 import logging
 import signal
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
-from tierstore.service.codec import BODY_LIMITS, BodyBudget, BodyLimits
+from tierstore.service.body import (
+    BODY_LIMITS,
+    JSON_MAX_BYTES,
+    BodyBudget,
+    BodyLimits,
+    RouteLimits,
+)
 from tierstore.service.config import ServiceConfig
 
 log = logging.getLogger(__name__)
 # After answering a request whose body was not read (413, 408), the rest is read and dropped
 # this long before the connection closes, so the client sees the answer rather than a reset.
 LINGER_S = 1.0
+CONTROL_BYTES = 64 << 10  # a body's fields besides its bulk (namespace, lease, segment, ...)
+KEY_BYTES = 512  # one storage key (at most 400 characters) with its msgpack header, and more
+# Routes by the shape of their bodies (a route not named here gets the default limits).
+PREFIX_ROUTES = ("/v1/match", "/v1/fetch", "/v1/shm/fetch")
+KEY_ROUTES = ("/v1/storage/batch_get", "/v1/storage/batch_exists", "/v1/storage/delete",
+              "/v1/storage/shm_get", "/v1/storage/shm_reserve")
+CONTROL_ROUTES = ("/v1/release", "/v1/shm/attach", "/v1/storage/shm_release",
+                  "/v1/storage/shm_commit", "/v1/storage/shm_abort")
 
 
 def install(app: web.Application, config: ServiceConfig) -> None:
-    """Attach ``config``'s body limits to ``app`` (``read_raw`` finds them there)."""
+    """Attach ``config``'s body limits (per route) and the thread that checks large bodies
+    to ``app`` (``read_body`` finds them there); the thread stops with the app."""
+    routes, default = route_limits(config)
+    executor = ThreadPoolExecutor(2, thread_name_prefix="tierstore-decode")
     app[BODY_LIMITS] = BodyLimits(config.max_body_bytes, config.body_timeout_s,
-                                  BodyBudget(config.inflight_body_bytes))
+                                  BodyBudget(config.inflight_body_bytes), routes, default,
+                                  executor)
+
+    async def stop(app: web.Application) -> None:
+        executor.shutdown(wait=False, cancel_futures=True)
+
+    app.on_cleanup.append(stop)
+
+
+def route_limits(config: ServiceConfig) -> tuple[dict[str, RouteLimits], RouteLimits]:
+    """Per route what a body may hold, from ``config``'s limits: token routes ``max_tokens``
+    ids (5 bytes each at most in msgpack), key routes ``max_batch`` keys, the bulk routes up
+    to ``max_body_bytes``; and the default for any other route."""
+    big, tokens, batch = config.max_body_bytes, config.max_tokens, config.max_batch
+
+    def sized(bulk: int) -> tuple[int, int]:
+        size = min(big, bulk + CONTROL_BYTES)
+        return size, min(size, JSON_MAX_BYTES)
+
+    prefix = RouteLimits(*sized(5 * tokens), max_array=tokens, max_bin=4 * tokens,
+                         array_error="too_many_tokens")
+    keys = RouteLimits(*sized(batch * KEY_BYTES), max_array=batch,
+                       array_error="batch_too_large")
+    control = RouteLimits(*sized(0), max_array=64)
+    routes = {**dict.fromkeys(PREFIX_ROUTES, prefix), **dict.fromkeys(KEY_ROUTES, keys),
+              **dict.fromkeys(CONTROL_ROUTES, control),
+              "/v1/insert": RouteLimits(*sized(big), max_array=max(tokens, batch), max_bin=big),
+              "/v1/storage/batch_set": RouteLimits(*sized(big), max_array=batch, max_bin=big,
+                                                   array_error="batch_too_large")}
+    default = RouteLimits(*sized(big), max_array=max(tokens, batch), max_map=1024,
+                          max_str=64 << 10, max_bin=big)
+    return routes, default
 
 
 def raw_error(status: int, error: str, detail: str) -> bytes:
