@@ -29,9 +29,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from remote_tier.embedded import free_port
+from tierstore.bench._util import ratio
 from tierstore.client import Client
 from tierstore.shm_client import SharedMemoryTransport, open_transport
-from tierstore.testing.service import free_port
 
 PAGE = 16
 
@@ -177,7 +178,7 @@ def run_mix(served: Served, transport: str, spec: LoadSpec, unit: int) -> dict[s
             "p50_ms": statistics.median(latencies) * 1e3,
             "p99_ms": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] * 1e3,
             "wrong_bytes": sum(g["wrong"] for g in got),
-            "service_cpu_ms": cpu / len(latencies) * 1e3,
+            "service_cpu_ms": ratio(cpu * 1e3, len(latencies)),
             "service_cores": cpu / elapsed,
             "store_thread_busy": busy_share,
             "shm_clients": sum(g["shm"] for g in got)}

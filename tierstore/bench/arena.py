@@ -17,7 +17,7 @@ import time
 import torch
 
 from gpu_arena import Arena, PoolSpec
-from tierstore.bench._util import table
+from tierstore.bench._util import fmt_ratio, ratio, table
 from tierstore.layout import load_preset
 
 KiB = 1024
@@ -48,7 +48,7 @@ def _alloc_free(batch: int, rounds: int) -> float:
 
 
 # ---------------------------------------------------------------- compaction
-def _compaction(unit: int, total: int, repeat: int) -> dict[str, float]:
+def _compaction(unit: int, total: int, repeat: int) -> dict[str, float | None]:
     """``h = total / unit`` holes: 3h live blocks, every other one of the first 2h freed; a full
     compact() then moves the last h blocks into the h holes (``total`` bytes, one batched copy).
     Timed alternately with one contiguous ``copy_`` of ``total`` bytes between warm buffers
@@ -81,7 +81,7 @@ def _compaction(unit: int, total: int, repeat: int) -> dict[str, float]:
     compact, copy = min(compact_times), min(copy_times)
     return {"envelope_kib": unit / KiB, "moved_mib": moved / 2**20,
             "compact_gbps": moved / compact / 1e9, "copy_gbps": moved / copy / 1e9,
-            "ratio": copy / compact}
+            "ratio": ratio(copy, compact)}
 
 
 # ---------------------------------------------------------------- concurrency
@@ -140,8 +140,8 @@ def _concurrency(args: argparse.Namespace) -> dict[str, object]:
     return {"model": args.model, "capacity_gib": args.capacity_gib, "state_unit_mib":
             su / 2**20, "kv_page_mib": ku / 2**20, "arena": arena, "best_fixed": best,
             "best_fixed_state_share": best_share, "misset_fixed": wrong,
-            "misset_state_share": wrong_share, "arena_vs_best": arena / best,
-            "arena_vs_misset": arena / max(wrong, 1)}
+            "misset_state_share": wrong_share, "arena_vs_best": ratio(arena, best),
+            "arena_vs_misset": ratio(arena, wrong)}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -172,9 +172,9 @@ def render(result: dict) -> str:
         f"  unified arena          {c['arena']}",
         f"  best fixed split       {c['best_fixed']}  (state share "
         f"{c['best_fixed_state_share']:.1%}, chosen with hindsight)  arena/best = "
-        f"{c['arena_vs_best']:.3f}",
+        f"{fmt_ratio(c['arena_vs_best'], '.3f')}",
         f"  mis-set fixed split    {c['misset_fixed']}  (state share "
         f"{c['misset_state_share']:.1%}, best for a 50%-long mix)  arena/mis-set = "
-        f"{c['arena_vs_misset']:.2f}",
+        f"{fmt_ratio(c['arena_vs_misset'])}",
     ]
     return "\n".join(lines)

@@ -19,12 +19,12 @@ import msgpack
 from aiohttp import web
 
 from tierstore.bench._load import LoadSpec, read_rates, run_mix, serve_process
-from tierstore.bench._util import table
+from tierstore.bench._util import fmt_ratio, ratio, table
 from tierstore.client import AsyncClient
 from tierstore.config import StoreConfig
 from tierstore.layout import layout_from_config
+from tierstore.service.running import RunningService, free_port
 from tierstore.store import TierStore
-from tierstore.testing.service import RunningService, free_port
 
 PAGE = 16
 # One full-attention layer, 8 KV heads of 2048 dims in bf16, 16-token pages: 1 MiB envelopes.
@@ -141,12 +141,14 @@ def run(args: argparse.Namespace) -> dict:
                for transport in ("http", "shm")}
     return {"envelope_bytes": unit, "pages_per_fetch": args.pages,
             "fetch_mb_s": fetch_bps / 1e6, "echo_mb_s": echo_bps / 1e6,
-            "fetch_vs_echo": fetch_bps / echo_bps, "match_rps": match_rps,
+            "fetch_vs_echo": ratio(fetch_bps, echo_bps), "match_rps": match_rps,
             "match_concurrency": args.concurrency, "fetch_payload_mib": size / 2**20,
             "shm_get_mb_s": reads["shm"], "http_get_mb_s": reads["http"],
-            "torch_copy_mb_s": reads["copy"], "shm_vs_copy": reads["shm"] / reads["copy"],
-            "mix": mix, "mix_shm_vs_http": mix["shm"]["requests_s"] / mix["http"]["requests_s"],
-            "mix_cpu_http_vs_shm": mix["http"]["service_cpu_ms"] / mix["shm"]["service_cpu_ms"]}
+            "torch_copy_mb_s": reads["copy"], "shm_vs_copy": ratio(reads["shm"], reads["copy"]),
+            "mix": mix,
+            "mix_shm_vs_http": ratio(mix["shm"]["requests_s"], mix["http"]["requests_s"]),
+            "mix_cpu_http_vs_shm": ratio(mix["http"]["service_cpu_ms"],
+                                         mix["shm"]["service_cpu_ms"])}
 
 
 def render(result: dict) -> str:
@@ -156,7 +158,7 @@ def render(result: dict) -> str:
         f"fetch of {result['pages_per_fetch']} x {result['envelope_bytes'] // 2**20} MiB "
         f"envelopes per request:",
         table(rows, ["what", "mb_s"]),
-        f"service / bare = {result['fetch_vs_echo']:.2f}",
+        f"service / bare = {fmt_ratio(result['fetch_vs_echo'])}",
         f"small /v1/match (64 tokens, {result['match_concurrency']} in flight): "
         f"{result['match_rps']:,.0f} requests/s",
         f"same-host storage reads of {result['pages_per_fetch']} x 1 MiB values "
@@ -165,12 +167,12 @@ def render(result: dict) -> str:
                {"what": "HTTP batch_get", "mb_s": result["http_get_mb_s"]},
                {"what": "torch copy_ of the same bytes", "mb_s": result["torch_copy_mb_s"]}],
               ["what", "mb_s"]),
-        f"shm / torch copy = {result['shm_vs_copy']:.2f}",
+        f"shm / torch copy = {fmt_ratio(result['shm_vs_copy'])}",
         f"load mix ({result['mix']['http']['clients']} clients: match, fetch 4 x 1 MiB, "
         f"set/get 4 x 256 KiB, exists):",
         table([{"bytes via": k, **v} for k, v in result["mix"].items()],
               ["bytes via", "requests_s", "p50_ms", "p99_ms", "service_cpu_ms",
                "service_cores", "store_thread_busy", "wrong_bytes"]),
-        f"shm / http: requests/s {result['mix_shm_vs_http']:.2f}x, service CPU per request "
-        f"{result['mix_cpu_http_vs_shm']:.2f}x less",
+        f"shm / http: requests/s {fmt_ratio(result['mix_shm_vs_http'])}x, service CPU per "
+        f"request {fmt_ratio(result['mix_cpu_http_vs_shm'])}x less",
     ])

@@ -30,7 +30,7 @@ import torch
 import kernels
 from gpu_arena.pool import Pool
 from gpu_arena.spec import PoolSpec
-from tierstore.bench._util import best_of, table
+from tierstore.bench._util import best_of, ratio, table
 
 _METHODS = ("contiguous", "strided_copy", "reference", "index_select", "loop_copy")
 _CUDA_BATCH = 8
@@ -139,7 +139,7 @@ def _copy_rows(
     peak = best["contiguous"]
     return [
         {"path": path, "size_kib": nbytes >> 10, "method": m, "gb_s": best[m],
-         "vs_contiguous": best[m] / peak}
+         "vs_contiguous": ratio(best[m], peak)}
         for m in _METHODS if m in best
     ]
 
@@ -210,7 +210,7 @@ def _table_sync_rows(args: argparse.Namespace, gpu: bool) -> list[dict[str, obje
                 rows.append({"device": device, "slots": slots, "changed": changed,
                              "patch_us": times["patch"] * 1e6 / _batch(device),
                              "full_copy_us": times["full_copy"] * 1e6 / _batch(device),
-                             "speedup": times["full_copy"] / times["patch"]})
+                             "speedup": ratio(times["full_copy"], times["patch"])})
     return rows
 
 

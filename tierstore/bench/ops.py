@@ -23,11 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from tierstore.bench._util import table
+from tierstore.bench._util import ratio, table
 from tierstore.config import StoreConfig
 from tierstore.hashing import PageHasher
 from tierstore.layout import ModelLayout, load_preset, preset_names
-from tierstore.replay.scaled import scale_layout
+from tierstore.scaling import scale_layout
 from tierstore.store import TierStore
 
 OPS = ("match", "allocate", "insert", "release", "evict")
@@ -52,14 +52,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 class EngineLoop:
     """Drives one store with the requests of the module docstring and times each call."""
 
-    def __init__(self, store: TierStore, shared: int, private: int, seed: int) -> None:
+    def __init__(self, store: TierStore, shared: int, private: int, seed: int,
+                 prefixes: int = 1) -> None:
         self.store = store
         self.page = store.layout.page_size
         rng = np.random.default_rng(seed)
         self.rng = rng
-        self.shared = rng.integers(0, 150_000, shared * self.page, dtype=np.int64)
+        self.prefixes = [rng.integers(0, 150_000, shared * self.page, dtype=np.int64)
+                         for _ in range(prefixes)]
         self.private = private
         self.state = "state" in store.kinds
+        self.swa = "swa" in store.kinds
         self.seconds = dict.fromkeys(OPS, 0.0)
         self.failed = 0
         self._evict_s = 0.0
@@ -75,17 +78,23 @@ class EngineLoop:
         store.mover.make_room = timed  # type: ignore[method-assign]
 
     def prompt(self) -> np.ndarray:
+        shared = self.prefixes[int(self.rng.integers(len(self.prefixes)))]
         tail = self.rng.integers(0, 150_000, self.private * self.page, dtype=np.int64)
-        return np.concatenate([self.shared, tail])
+        return np.concatenate([shared, tail])
+
+    def demand(self, pages: int) -> dict[str, int]:
+        """Blocks a request computing ``pages`` new pages asks for."""
+        return {"kv": pages, **({"swa": pages} if self.swa else {}),
+                **({"state": 1} if self.state else {})}
 
     def warm(self) -> None:
-        """Cache the shared prefix with its checkpoint (it would be the system prompt)."""
+        """Cache the shared prefixes with their checkpoints (the system prompts)."""
         store = self.store
-        pages = len(self.shared) // self.page
-        demand = {"kv": pages, **({"state": 1} if self.state else {})}
-        got = store.allocate(demand)
-        assert got is not None, "the arena cannot hold even the shared prefix"
-        store.insert(self.shared, kv=got["kv"], state=got["state"] if self.state else None)
+        for shared in self.prefixes:
+            got = store.allocate(self.demand(len(shared) // self.page))
+            assert got is not None, "the arena cannot hold even the shared prefixes"
+            store.insert(shared, kv=got["kv"], swa=got["swa"] if self.swa else None,
+                         state=got["state"] if self.state else None)
 
     def step(self, prompt: np.ndarray) -> None:
         store = self.store
@@ -93,14 +102,14 @@ class EngineLoop:
         m = store.match(prompt)
         t1 = _now()
         self._evict_s = 0.0
-        new = len(prompt) // self.page - m.pages
-        got = store.allocate({"kv": new, **({"state": 1} if self.state else {})})
+        got = store.allocate(self.demand(len(prompt) // self.page - m.pages))
         t2 = _now()
         evict = self._evict_s
         if got is None:
             self.failed += 1
         else:
-            store.insert(prompt, kv=got["kv"], state=got["state"] if self.state else None)
+            store.insert(prompt, kv=got["kv"], swa=got["swa"] if self.swa else None,
+                         state=got["state"] if self.state else None)
         t3 = _now()
         if m.lease is not None:
             store.release(m.lease)
@@ -173,7 +182,7 @@ def _measure(layout: ModelLayout, pages: int, args: argparse.Namespace, device: 
     return {"pages": pages, "cached_pages": store.index.num_pages, "device": device,
             "us_per_request": total, **{f"us_{op}": v for op, v in per_op.items()},
             "evictions_per_request": evictions / n, "failed": loop.failed,
-            "floor_us_per_request": floor_us, "vs_floor": total / floor_us}
+            "floor_us_per_request": floor_us, "vs_floor": ratio(total, floor_us)}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -184,12 +193,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         scaled = scale_layout(layout, 1 / 2048).layout
         rows.append(_measure(scaled, args.real_pages, args, "cpu"))
     meta = [r for r in rows if r["device"] == "meta"]
-    growth = meta[-1]["us_per_request"] / meta[0]["us_per_request"] if meta else None
+    growth = ratio(meta[-1]["us_per_request"], meta[0]["us_per_request"]) if meta else None
     return {"model": args.model, "page_size": args.page_size,
             "pages_per_request": args.shared_pages + args.private_pages,
             "requests": args.requests, "rows": rows, "growth": growth,
             "max_us_per_request": max(r["us_per_request"] for r in meta) if meta else None,
-            "max_vs_floor": max(r["vs_floor"] for r in meta) if meta else None}
+            "max_vs_floor": max((r["vs_floor"] for r in meta if r["vs_floor"] is not None),
+                                default=None)}
 
 
 def render(result: dict[str, Any]) -> str:

@@ -34,10 +34,10 @@ from pathlib import Path
 import redis.asyncio as aredis
 
 from remote_tier.config import RemoteTierConfig
+from remote_tier.embedded import RedisServer, redis_binary
 from remote_tier.keys import envelope_key
 from remote_tier.store import RedisTier
-from tierstore.bench._util import table
-from tierstore.testing.redis_server import RedisServer, redis_binary
+from tierstore.bench._util import ratio, table
 
 _PREFIX = "bench"
 _FP = "benchfp"
@@ -99,17 +99,18 @@ def run(args: argparse.Namespace) -> dict:
             best = {name: statistics.median(values) for name, values in samples.items()}
             row: dict[str, object] = {"size_kib": size >> 10, **best}
             row["samples"] = {name: [round(v) for v in values] for name, values in samples.items()}
-            row["put_vs_rb"] = best["tier_put"] / best["rb_set"]
-            row["get_vs_rb"] = best["tier_get"] / best["rb_get"]
-            row["get_into_vs_rb"] = best["tier_get_into"] / best["rb_get"]
-            row["put_vs_plain"] = best["tier_put"] / best["plain_set"]
-            row["get_vs_plain"] = best["tier_get"] / best["plain_get"]
-            row["plain_get_vs_rb"] = best["plain_get"] / best["rb_get"]
+            row["put_vs_rb"] = ratio(best["tier_put"], best["rb_set"])
+            row["get_vs_rb"] = ratio(best["tier_get"], best["rb_get"])
+            row["get_into_vs_rb"] = ratio(best["tier_get_into"], best["rb_get"])
+            row["put_vs_plain"] = ratio(best["tier_put"], best["plain_set"])
+            row["get_vs_plain"] = ratio(best["tier_get"], best["plain_get"])
+            row["plain_get_vs_rb"] = ratio(best["plain_get"], best["rb_get"])
             if "lmcache_get" in best and lmcache["status"] == "on":
-                row["put_vs_lmcache"] = best["tier_put"] / best["lmcache_put"]
-                row["get_vs_lmcache"] = best["tier_get"] / best["lmcache_get"]
+                row["put_vs_lmcache"] = ratio(best["tier_put"], best["lmcache_put"])
+                row["get_vs_lmcache"] = ratio(best["tier_get"], best["lmcache_get"])
                 # LMCache's get lands in a buffer its allocator owns, like get_many(out=...)
-                row["get_into_vs_lmcache"] = best["tier_get_into"] / best["lmcache_get"]
+                row["get_into_vs_lmcache"] = ratio(best["tier_get_into"],
+                                                    best["lmcache_get"])
             rows.append(row)
     return {
         "note": (

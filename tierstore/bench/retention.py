@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from tierstore.bench._util import table
+from tierstore.bench._util import fmt_ratio, ratio, table
 from tierstore.config import StoreConfig
 from tierstore.layout import ModelLayout, load_preset, preset_names
 from tierstore.store import TierStore
@@ -118,11 +118,11 @@ def run(args: argparse.Namespace) -> dict:
             for rule in ("unified", "per_kind")]
     one, chunked = rows[:2], rows[2:]
 
-    def compare(pair: list[dict]) -> dict[str, float]:
+    def compare(pair: list[dict]) -> dict[str, float | None]:
         u, p = pair
-        return {"retained_ratio": u["retained"] / max(1, p["retained"]),
-                "time_reduction": 1 - u["repeat_seconds"] / p["repeat_seconds"]
-                if p["repeat_seconds"] else 0.0}
+        time_ratio = ratio(u["repeat_seconds"], p["repeat_seconds"])
+        return {"retained_ratio": ratio(u["retained"], p["retained"]),
+                "time_reduction": None if time_ratio is None else 1 - time_ratio}
 
     envelopes = {k: e.nbytes for k, e in layout.envelopes().items()}
     return {"model": args.model, "envelope_bytes": envelopes, "prefixes": args.prefixes,
@@ -141,8 +141,8 @@ def render(result: dict) -> str:
         f"long request {result['long_tokens']} tokens",
         table(result["rows"], ["allocation", "rule", "retained", "evictions",
                                "recomputed_tokens", "repeat_seconds"]),
-        f"one allocation: unified retains {one['retained_ratio']:.2f}x the prefixes, repeated "
-        f"requests {one['time_reduction']:.1%} faster",
-        f"chunked:        unified retains {chunked['retained_ratio']:.2f}x the prefixes, repeated "
-        f"requests {chunked['time_reduction']:.1%} faster",
+        f"one allocation: unified retains {fmt_ratio(one['retained_ratio'])}x the prefixes, "
+        f"repeated requests {fmt_ratio(one['time_reduction'], '.1%')} faster",
+        f"chunked:        unified retains {fmt_ratio(chunked['retained_ratio'])}x the prefixes, "
+        f"repeated requests {fmt_ratio(chunked['time_reduction'], '.1%')} faster",
     ])

@@ -47,15 +47,15 @@ from typing import Any
 import torch
 
 from remote_tier import RemoteTierConfig
-from tierstore.bench._util import table
+from remote_tier.embedded import RedisServer
+from tierstore.bench._util import fmt_ratio, ratio, table
 from tierstore.config import StoreConfig
 from tierstore.integrations.sglang import TierStoreHiCacheStorage
 from tierstore.layout import load_preset, preset_names
+from tierstore.reference_model import tiny_layout
 from tierstore.service.config import ServiceConfig
+from tierstore.service.running import RunningService, free_port
 from tierstore.store import TierStore
-from tierstore.testing.redis_server import RedisServer
-from tierstore.testing.reference_model import tiny_layout
-from tierstore.testing.service import RunningService, free_port
 
 _INSTALL = "pip install --no-deps sglang==0.5.23 && pip install 'tierstore[sglang]'"
 
@@ -239,8 +239,8 @@ def run(args: argparse.Namespace) -> dict:
             "tp_size": args.tp_size, "page_bytes": page_bytes, "batch_pages": args.batch,
             "batches": args.batches, "rounds": args.rounds, "file_fs": fs, "rows": rows,
             "vs_file": {f"{r['backend']} ({r['path']})": {
-                "set": r["set_pages_s"] / file_rows[r["path"]]["set_pages_s"],
-                "get": r["get_pages_s"] / file_rows[r["path"]]["get_pages_s"]}
+                "set": ratio(r["set_pages_s"], file_rows[r["path"]]["set_pages_s"]),
+                "get": ratio(r["get_pages_s"], file_rows[r["path"]]["get_pages_s"])}
                 for r in rows if r["backend"] != "HiCacheFile"}}
 
 
@@ -290,6 +290,7 @@ def render(result: dict) -> str:
              f"{result['rounds']} rounds; HiCacheFile on {result['file_fs']}",
              table(result["rows"], ["backend", "path", "set_pages_s", "set_mb_s", "get_pages_s",
                                     "get_mb_s", "redis_drain_ms"])]
-    for name, ratio in result["vs_file"].items():
-        lines.append(f"{name} / HiCacheFile: set {ratio['set']:.2f}x, get {ratio['get']:.2f}x")
+    for name, vs in result["vs_file"].items():
+        lines.append(f"{name} / HiCacheFile: set {fmt_ratio(vs['set'])}x, "
+                     f"get {fmt_ratio(vs['get'])}x")
     return "\n".join(lines)

@@ -19,10 +19,11 @@ import time
 from contextlib import ExitStack
 
 from remote_tier.config import RemoteTierConfig
+from remote_tier.embedded import RedisServer
+from remote_tier.embedded_cluster import RedisCluster
 from remote_tier.keys import envelope_key
 from remote_tier.store import RedisTier
-from tierstore.bench._util import table
-from tierstore.testing.redis_server import RedisCluster, RedisServer
+from tierstore.bench._util import ratio, table
 
 MiB = 1 << 20
 _PREFIX, _FP = "bsplit", "benchfp"
@@ -50,7 +51,8 @@ def run(args: argparse.Namespace) -> dict:
     return {"unit": "MB/s of payload", "values_per_call": args.values, "rows": rows}
 
 
-async def _compare(url: str, mode: str, size: int, args: argparse.Namespace) -> dict[str, float]:
+async def _compare(url: str, mode: str, size: int, args: argparse.Namespace
+                   ) -> dict[str, float | None]:
     """Median put / get MB/s of the split and the whole layout, rounds alternating."""
     chunked = RemoteTierConfig(url=url, mode=mode, key_prefix=_PREFIX,  # type: ignore[arg-type]
                                op_timeout_s=30.0)
@@ -77,9 +79,9 @@ async def _compare(url: str, mode: str, size: int, args: argparse.Namespace) -> 
                 figures.setdefault(f"{name}_put", []).append(size * len(keys) / put_s / 1e6)
                 figures.setdefault(f"{name}_get", []).append(size * len(keys) / get_s / 1e6)
                 await tier.delete_many(keys)
-    result = {k: statistics.median(v) for k, v in figures.items()}
-    result["put_ratio"] = result["split_put"] / result["whole_put"]
-    result["get_ratio"] = result["split_get"] / result["whole_get"]
+    result: dict[str, float | None] = {k: statistics.median(v) for k, v in figures.items()}
+    result["put_ratio"] = ratio(result["split_put"], result["whole_put"])
+    result["get_ratio"] = ratio(result["split_get"], result["whole_get"])
     return result
 
 

@@ -21,7 +21,7 @@ from gpu_arena import Arena, PoolSpec
 from host_tier import HostTier
 from remote_tier import RemoteTierConfig
 from tierstore.bench import retention
-from tierstore.bench._util import table
+from tierstore.bench._util import ratio, table
 from tierstore.config import StoreConfig
 from tierstore.layout import load_preset
 from tierstore.store import TierStore
@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(prefixes=28)
 
 
-def _host_copy(unit: int, total: int, repeat: int = 5) -> dict[str, float]:
+def _host_copy(unit: int, total: int, repeat: int = 5) -> dict[str, float | None]:
     n = max(1, total // unit)
     pools = [PoolSpec("kv", unit, "high")]
     device = Arena(unit * n, pools)
@@ -62,7 +62,7 @@ def _host_copy(unit: int, total: int, repeat: int = 5) -> dict[str, float]:
     assert torch.equal(host.arena.read("kv", dst[:1]), device.read("kv", src[:1]))
     return {"envelope_kib": unit / 1024, "mib": n * unit / MiB,
             "host_store_gbps": n * unit / min(store_t) / 1e9,
-            "copy_gbps": n * unit / min(copy_t) / 1e9, "ratio": min(copy_t) / min(store_t)}
+            "copy_gbps": n * unit / min(copy_t) / 1e9, "ratio": ratio(min(copy_t), min(store_t))}
 
 
 def _tiered(args: argparse.Namespace, url: str, rule: str) -> dict[str, object]:
@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.redis_url:
         rows = [_tiered(args, args.redis_url, rule) for rule in ("unified", "per_kind")]
     else:
-        from tierstore.testing.redis_server import RedisServer
+        from remote_tier.embedded import RedisServer
 
         with RedisServer() as server:
             rows = [_tiered(args, server.url, rule) for rule in ("unified", "per_kind")]
