@@ -17,13 +17,46 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeVar
 
 if TYPE_CHECKING:
-    from tierstore.radix import Node, RadixIndex
+    from typing_extensions import Self
 
 StopRule = Literal["unified", "per_kind"]
 PolicyName = Literal["lru", "lfu", "priority"]
+
+
+class Candidate(Protocol):
+    """What eviction reads of an index node (:class:`tierstore.radix.Node` is one): declared
+    here, below the index, so that this module imports nothing of it."""
+
+    @property
+    def serial(self) -> int: ...
+    @property
+    def last_use(self) -> float: ...
+    @property
+    def hits(self) -> int: ...
+    @property
+    def priority(self) -> float: ...
+    @property
+    def queued(self) -> list[int]: ...  # the queue's stamp per tier, written by the queue
+    @property
+    def parent(self) -> Self | None: ...
+    def evictable(self, tier: int) -> bool: ...
+
+
+N = TypeVar("N", bound=Candidate)
+
+
+class CandidateIndex(Protocol[N]):
+    """What :func:`victims` reads of the index (:class:`tierstore.radix.RadixIndex`)."""
+
+    @property
+    def root(self) -> object: ...
+    @property
+    def key(self) -> Callable[[N], tuple[float, ...]]: ...
+    @property
+    def queues(self) -> Mapping[Any, EvictionQueue[N]]: ...
 
 
 class EvictionPolicy(Protocol):
@@ -31,7 +64,7 @@ class EvictionPolicy(Protocol):
 
     name: str
 
-    def key(self, node: Node) -> tuple[float, ...]: ...
+    def key(self, node: Candidate) -> tuple[float, ...]: ...
 
 
 class LRU:
@@ -39,7 +72,7 @@ class LRU:
 
     name = "lru"
 
-    def key(self, node: Node) -> tuple[float, ...]:
+    def key(self, node: Candidate) -> tuple[float, ...]:
         return (node.last_use, node.serial)
 
 
@@ -48,7 +81,7 @@ class LFU:
 
     name = "lfu"
 
-    def key(self, node: Node) -> tuple[float, ...]:
+    def key(self, node: Candidate) -> tuple[float, ...]:
         return (node.hits, node.last_use, node.serial)
 
 
@@ -58,7 +91,7 @@ class Priority:
 
     name = "priority"
 
-    def key(self, node: Node) -> tuple[float, ...]:
+    def key(self, node: Candidate) -> tuple[float, ...]:
         return (node.priority, node.last_use, node.serial)
 
 
@@ -76,7 +109,7 @@ def make_policy(name: PolicyName) -> EvictionPolicy:
             from None
 
 
-class EvictionQueue:
+class EvictionQueue(Generic[N]):
     """One tier's eviction candidates in policy order (smallest ``key`` first).
 
     A heap with lazy deletion: each node records the stamp of its live entry in
@@ -84,15 +117,15 @@ class EvictionQueue:
     stale. Stale entries are dropped when they reach the top, and the heap is rebuilt when
     they outnumber live ones, so push, discard and peek are O(log n) amortised."""
 
-    def __init__(self, tier: int, key: Callable[[Node], tuple[float, ...]]) -> None:
+    def __init__(self, tier: int, key: Callable[[N], tuple[float, ...]]) -> None:
         self.tier = tier
         self.key = key
         self.size = 0  # live entries
         self._t = tier - 1
-        self._heap: list[tuple[tuple[float, ...], int, int, Node]] = []
+        self._heap: list[tuple[tuple[float, ...], int, int, N]] = []
         self._stamps = itertools.count(1)
 
-    def push(self, node: Node) -> None:
+    def push(self, node: N) -> None:
         """Queue ``node``, or move it to the place its current key says."""
         if not node.queued[self._t]:
             self.size += 1
@@ -103,13 +136,13 @@ class EvictionQueue:
             self._heap = self._live()
             heapq.heapify(self._heap)
 
-    def discard(self, node: Node) -> None:
+    def discard(self, node: N) -> None:
         """Take ``node`` off the queue (no-op when it is not on it)."""
         if node.queued[self._t]:
             node.queued[self._t] = 0
             self.size -= 1
 
-    def peek(self) -> Node | None:
+    def peek(self) -> N | None:
         """The first candidate, or None."""
         heap, t = self._heap, self._t
         while heap:
@@ -119,26 +152,26 @@ class EvictionQueue:
             heapq.heappop(heap)
         return None
 
-    def members(self) -> list[Node]:
+    def members(self) -> list[N]:
         """Every queued node, in no particular order."""
         return [entry[3] for entry in self._live()]
 
-    def _live(self) -> list[tuple[tuple[float, ...], int, int, Node]]:
+    def _live(self) -> list[tuple[tuple[float, ...], int, int, N]]:
         t = self._t
         return [e for e in self._heap if e[3].queued[t] == e[2]]
 
 
-def victims(index: RadixIndex, tier: int, accept: Callable[[Node], bool]) -> Iterator[Node]:
+def victims(index: CandidateIndex[N], tier: int, accept: Callable[[N], bool]) -> Iterator[N]:
     """Candidates of ``tier`` that ``accept`` admits, in policy order, for sweeps that skip
     some candidates (idle demotion). Seeded from the tier's queue; a parent joins once its
     last holding child is gone. Each candidate is checked again when its turn comes; the
     caller evicts each yielded node before asking for the next. The hot path uses
     :meth:`RadixIndex.next_victim` instead."""
-    def candidate(n: Node) -> bool:
+    def candidate(n: N) -> bool:
         return n.evictable(tier) and accept(n)
 
     key = index.key
-    heap = [(key(n), n.serial, n) for n in index.queues[tier].members() if accept(n)]  # type: ignore[index]
+    heap = [(key(n), n.serial, n) for n in index.queues[tier].members() if accept(n)]
     heapq.heapify(heap)
     while heap:
         _, _, node = heapq.heappop(heap)

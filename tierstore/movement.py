@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from tierstore.eviction import StopCondition, victims
-from tierstore.prefetch import Prefetcher
+from tierstore.prefetch import Entry, Prefetcher
 from tierstore.radix import ABSENT, CHECKPOINT, PAGE_KINDS, Node, Segment, Tier
 
 if TYPE_CHECKING:
@@ -32,9 +32,6 @@ if TYPE_CHECKING:
     from tierstore.remote import RemoteBridge
 
 log = logging.getLogger(__name__)
-
-# (node, page index — ignored for the checkpoint —, source tier) of one entry to move
-Entry = tuple[Node, int, int]
 
 
 class Mover:

@@ -9,25 +9,52 @@ instance, or before a restart) and hangs them into the index as L3-resident. Wit
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 
-from tierstore.radix import CHECKPOINT, Tier
+from tierstore.radix import CHECKPOINT, Node, Segment, Tier
 
 if TYPE_CHECKING:
-    from tierstore.movement import Mover
-    from tierstore.remote import Probe
+    from gpu_arena import Arena
+    from host_tier import HostTier
+    from tierstore.layout import ModelLayout
+    from tierstore.ledger import Ledger
+    from tierstore.radix import RadixIndex
+    from tierstore.remote import Probe, RemoteBridge
 
 log = logging.getLogger(__name__)
+
+# (node, page index — ignored for the checkpoint —, source tier) of one entry to move
+Entry = tuple[Node, int, int]
+
+
+class MoverParts(Protocol):
+    """What the prefetcher uses of its mover (:class:`tierstore.movement.Mover`), declared
+    here, below the mover, so that this module imports nothing of it."""
+
+    arena: Arena
+    host: HostTier | None
+    remote: RemoteBridge | None
+    index: RadixIndex
+    layout: ModelLayout
+    ledger: Ledger
+    kinds: tuple[str, ...]
+
+    def wanted(self, path: list[Segment], pages: int
+               ) -> tuple[dict[str, list[Entry]], dict[int, int]]: ...
+    def key_of(self, entry: Entry, kind: str) -> str: ...
+    def make_room(self, demand: Mapping[str, int]) -> bool: ...
+    def make_room_l2(self, demand: Mapping[str, int]) -> bool: ...
 
 
 class Prefetcher:
     """The background half of the mover's L3 work (needs the mover's remote tier)."""
 
-    def __init__(self, mover: Mover) -> None:
+    def __init__(self, mover: MoverParts) -> None:
         assert mover.remote is not None
         self.mover = mover
         self.remote = mover.remote
