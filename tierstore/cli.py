@@ -21,6 +21,12 @@ def _build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the HTTP service")
     server.add_arguments(serve)
 
+    principals = sub.add_parser("principals", help="make tokens for a principals file")
+    principals_sub = principals.add_subparsers(dest="principals", required=True)
+    principals_sub.add_parser("token", help="print a new random token and its hashed entry")
+    principals_sub.add_parser("hash", help="read a token from stdin, print its hashed entry")
+    principals_sub.add_parser("check", help="validate a principals file").add_argument("path")
+
     stats = sub.add_parser("stats", help="print a running service's per-tier hit rates")
     stats.add_argument("--url", default="http://127.0.0.1:8080")
     stats.add_argument("--auth-token", default=None)
@@ -68,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         from tierstore.service.server import serve
 
         return serve(args)
+    if args.command == "principals":
+        from tierstore.service.principals import cli as principals_cli
+
+        return principals_cli(args.principals, getattr(args, "path", None))
     if args.command == "stats":
         from tierstore.client import print_stats
 

@@ -21,18 +21,40 @@ from tierstore.errors import NamespaceError, TokenError
 
 HashName = Literal["sha256", "xxh3"]
 _NAMESPACE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$")
+# A tenant's namespace as the service hands it to the store: ``{tenant}|{namespace}``. No
+# client namespace contains ``|`` and no tenant name does, so (tenant, namespace) pairs and
+# plain namespaces never share a salt.
+_TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+TENANT_MARK = "|"
 _UINT32_MAX = 2**32 - 1
 
 
-def check_namespace(namespace: object) -> str:
+def check_namespace(namespace: object, *, scoped: bool = True) -> str:
     """Return ``namespace`` if well formed (1-128 chars of ``A-Za-z0-9._:@/-``, starting with a
-    letter or digit), else raise NamespaceError."""
-    if not isinstance(namespace, str) or not _NAMESPACE.match(namespace):
+    letter or digit; with ``scoped``, also a :func:`tenant_namespace`), else raise
+    NamespaceError. The service checks what clients send with ``scoped=False``."""
+    if isinstance(namespace, str) and scoped and TENANT_MARK in namespace:
+        tenant, _, rest = namespace.partition(TENANT_MARK)
+        if _TENANT.fullmatch(tenant) and _NAMESPACE.fullmatch(rest):
+            return namespace
+    if not isinstance(namespace, str) or not _NAMESPACE.fullmatch(namespace):
         raise NamespaceError(
             f"namespace must be 1-128 characters of [A-Za-z0-9._:@/-] starting with a letter or "
-            f"digit, got {namespace!r}"
+            f"digit, got {namespace!r:.200}"
         )
     return namespace
+
+
+def tenant_namespace(tenant: str, namespace: str) -> str:
+    """The namespace whose salt folds in ``tenant`` (``namespace`` itself for the open tenant
+    ``""``): two tenants naming the same namespace get different page keys."""
+    check_namespace(namespace, scoped=False)
+    if not tenant:
+        return namespace
+    if not _TENANT.fullmatch(tenant):
+        raise NamespaceError(f"tenant must be 1-64 characters of [A-Za-z0-9._-], got "
+                             f"{tenant!r:.80}")
+    return f"{tenant}{TENANT_MARK}{namespace}"
 
 
 def as_tokens(tokens: object) -> np.ndarray:

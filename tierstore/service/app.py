@@ -3,14 +3,15 @@
 One event loop; every call into the store runs on one worker thread (the store is not
 thread-safe, and its bulk copies must not block the loop). Errors are JSON
 ``{"error", "detail"}``; a rejected request changes nothing.
+
+Every request has a principal (:mod:`.access`): its tenant's namespaces scope what it names
+(prefix pages and storage keys carry the tenant), its quotas bound what it holds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
-import hmac
 import logging
 import time
 from collections import Counter
@@ -25,8 +26,17 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from remote_tier import RedisTier, RemoteTierConfig, RemoteUnavailable
 from tierstore.errors import LeaseError, NamespaceError, ShapeError, TokenError
-from tierstore.hashing import check_namespace
+from tierstore.hashing import as_tokens
 from tierstore.layout import LayoutError
+from tierstore.radix import TIERS
+from tierstore.service.access import (
+    PRINCIPAL,
+    Authenticator,
+    namespace,
+    principal,
+    require_write,
+    store_namespace,
+)
 from tierstore.service.codec import (
     INT64_MAX,
     INT64_MIN,
@@ -47,13 +57,13 @@ from tierstore.service.http import install
 from tierstore.service.kv import BadKeyError, KeyValueStore
 from tierstore.service.leases import LeaseTable
 from tierstore.service.metrics import Metrics
+from tierstore.service.principals import Principals
+from tierstore.service.quotas import PageQuota
 from tierstore.service.shm import ShmRoutes
 from tierstore.store import TierStore
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-PRINCIPAL: Any = web.RequestKey("principal", str) if hasattr(web, "RequestKey") else \
-    "tierstore.principal"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 _STATUS: dict[type[Exception], tuple[int, str]] = {
@@ -72,8 +82,12 @@ class Service:
         self.store = store
         self.config = config
         self.kv_remote = kv_remote
+        self.principals = None if config.principals is None else \
+            Principals.load(config.principals)
+        self.auth = Authenticator(config, self.principals)
         self.kv = KeyValueStore(config.kv_host_bytes, None, ttl_s=config.lease_ttl_s,
-                                shared=config.shm)
+                                shared=config.shm, reservation_ttl_s=config.reservation_ttl_s)
+        self.pages = PageQuota()
         self.leases = LeaseTable(config.lease_ttl_s)
         self.metrics = Metrics()
         self.requests: Counter[str] = Counter()
@@ -181,26 +195,8 @@ class Service:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        token = self.config.auth_token
-        if token is not None and request.path != "/healthz":
-            given = request.headers.get("Authorization", "")
-            if request.path == "/dashboard" and "token" in request.query:
-                given = f"Bearer {request.query['token']}"  # a browser opening the page
-            # Headers arrive as latin-1/surrogate-escaped text: compare the bytes sent.
-            sent = given.encode("utf-8", "surrogateescape")
-            if not hmac.compare_digest(sent, f"Bearer {token}".encode()):
-                raise HTTPError(401, "unauthorized", "a valid 'Authorization: Bearer' token is "
-                                                     "required")
-        request[PRINCIPAL] = self._principal(request)
+        request[PRINCIPAL] = self.auth.identify(request)
         return await handler(request)
-
-    def _principal(self, request: web.Request) -> str:
-        """Who is asking, for lease ownership: the token's digest with auth on (one principal
-        per token), else the peer's address."""
-        if self.config.auth_token is not None:
-            digest = hashlib.sha256(self.config.auth_token.encode()).hexdigest()[:32]
-            return f"token:{digest}"
-        return f"peer:{request.remote or '?'}"
 
     # ------------------------------------------------------------------ control
     async def healthz(self, request: web.Request) -> web.Response:
@@ -245,17 +241,17 @@ class Service:
     async def match(self, request: web.Request) -> web.Response:
         body = await read_body(request)
         tokens = tokens_field(body, self.config.max_tokens)
-        namespace = check_namespace(field(body, "namespace", str, default="default"))
+        scoped = store_namespace(request, body)
         lock = field(body, "lock", bool, default=False)
         priority = int_field(body, "priority", INT64_MIN, INT64_MAX, default=0)
-        principal = request[PRINCIPAL]
+        who = principal(request).id
 
         def work() -> tuple[Any, str | None]:
-            result = self.store.match(tokens, namespace, priority=priority)
+            result = self.store.match(tokens, scoped, priority=priority)
             lease_id = None
             if result.lease is not None:
                 if lock:
-                    lease_id = self.leases.add(result.lease, principal)
+                    lease_id = self.leases.add(result.lease, who)
                 else:
                     self.store.release(result.lease)
             return result, lease_id
@@ -269,8 +265,7 @@ class Service:
     async def fetch(self, request: web.Request) -> web.StreamResponse:
         body = await read_body(request)
         tokens = tokens_field(body, self.config.max_tokens)
-        namespace = check_namespace(field(body, "namespace", str, default="default"))
-        chunks, done = await self.run(self._fetch, tokens, namespace)
+        chunks, done = await self.run(self._fetch, tokens, store_namespace(request, body))
         try:
             return await _stream(request, chunks)
         finally:
@@ -297,8 +292,9 @@ class Service:
 
     async def insert(self, request: web.Request) -> web.Response:
         body = await read_body(request)
+        tenant = require_write(request).tenant
         tokens = tokens_field(body, self.config.max_tokens)
-        namespace = check_namespace(field(body, "namespace", str, default="default"))
+        scoped = store_namespace(request, body)
         envelopes = self.store.layout.envelopes()
         given: dict[str, torch.Tensor | None] = {}
         for kind in ("kv", "swa"):
@@ -313,14 +309,43 @@ class Service:
                 raise HTTPError(422, "wrong_shape", "this layout has no 'state' envelopes")
             given["state"] = torch.from_numpy(stack([state], envelopes["state"].nbytes,
                                                     "state"))
-        result = await self.run(self.store.insert, tokens, namespace, kv=given.get("kv"),
-                                swa=given.get("swa"), state=given.get("state"))
+        limit = tenant.max_prefix_pages
+
+        def work() -> Any:
+            if limit is not None and not self._page_room(tenant.name, limit, tokens, scoped):
+                return None
+            result = self.store.insert(tokens, scoped, kv=given.get("kv"),
+                                       swa=given.get("swa"), state=given.get("state"))
+            if limit is not None and result.new_pages:
+                self.pages.add(tenant.name, scoped, _packed(tokens), result.new_pages)
+            return result
+
+        result = await self.run(work)
+        if result is None:
+            raise HTTPError(429, "quota_exceeded", f"tenant {tenant.name!r} holds "
+                            f"{self.pages.held(tenant.name)} cached prefix pages of its "
+                            f"{limit}; this insert would add more (release or wait for "
+                            f"eviction)")
         return web.json_response(dataclasses.asdict(result))
+
+    def _page_room(self, tenant: str, limit: int, tokens: Any, scoped: str) -> bool:
+        """Whether ``tenant`` may insert ``tokens`` (store thread): the pages it would add
+        fit its quota, after recounting its records against what is still cached."""
+        page = self.store.layout.page_size
+
+        def cached(ns: str, toks: Any) -> int:
+            return self.store.peek(toks, ns, tiers=TIERS) // page
+
+        need = len(as_tokens(tokens)) // page - cached(scoped, tokens)
+        if need <= 0 or self.pages.held(tenant) + need <= limit:
+            return True
+        self.pages.refresh(tenant, cached, 4 * page)
+        return self.pages.held(tenant) + need <= limit
 
     async def release(self, request: web.Request) -> web.Response:
         body = await read_body(request)
         lease_id = field(body, "lease", str)
-        lease = self.leases.pop(lease_id, request[PRINCIPAL])
+        lease = self.leases.pop(lease_id, principal(request).id)
         if lease is None:  # the same answer whoever holds it: existence is not revealed
             raise HTTPError(404, "unknown_lease", f"lease {lease_id[:64]!r} is not held "
                                                   f"(released, expired after "
@@ -330,25 +355,29 @@ class Service:
         return web.json_response({"released": True})
 
     # ------------------------------------------------------------------ storage API
-    def _keys(self, body: dict[str, Any]) -> list[str]:
+    def keys(self, request: web.Request, body: dict[str, Any]) -> list[str]:
+        """The stored keys the body's ``keys`` name in its (tenant-scoped) namespace."""
         keys = field(body, "keys", list)
         if len(keys) > self.config.max_batch:
             raise HTTPError(413, "batch_too_large", f"{len(keys)} keys exceed the limit of "
                                                     f"{self.config.max_batch}")
-        namespace = check_namespace(field(body, "namespace", str, default="default"))
-        return [self.kv.key(namespace, k) for k in keys]
+        who, name = namespace(request, body)
+        return [self.kv.key(name, k, who.tenant.name) for k in keys]
 
     async def batch_set(self, request: web.Request) -> web.Response:
         body = await read_body(request)
-        keys = self._keys(body)
+        tenant = require_write(request).tenant
+        keys = self.keys(request, body)
         values = blobs_field(body, "values", self.config.max_batch, required=True)
         assert values is not None
         if len(values) != len(keys):
             raise HTTPError(422, "wrong_shape", f"{len(keys)} keys but {len(values)} values")
-        return web.json_response({"stored": await self.kv.batch_set(keys, values)})
+        stored, reasons = await self.kv.batch_set(keys, values, limit=tenant.max_value_bytes)
+        return web.json_response({"stored": stored, "reasons": reasons})
 
     async def batch_get(self, request: web.Request) -> web.StreamResponse:
-        keys = self._keys(await read_body(request))
+        body = await read_body(request)
+        keys = self.keys(request, body)
         values, release = await self.kv.read(keys)  # pinned host ranges: stream, then release
         try:
             return await _stream(request, msgpack_chunks({"values": values}))
@@ -357,7 +386,7 @@ class Service:
 
     async def batch_exists(self, request: web.Request) -> web.Response:
         body = await read_body(request)
-        keys = self._keys(body)
+        keys = self.keys(request, body)
         if not field(body, "each", bool, default=False):
             return web.json_response({"count": await self.kv.batch_exists(keys)})
         present = await self.kv.exists_each(keys)
@@ -365,7 +394,9 @@ class Service:
         return web.json_response({"count": count, "present": present})
 
     async def delete(self, request: web.Request) -> web.Response:
-        keys = self._keys(await read_body(request))
+        body = await read_body(request)
+        require_write(request)
+        keys = self.keys(request, body)
         return web.json_response({"deleted": await self.kv.delete(keys)})
 
 
@@ -378,6 +409,11 @@ async def _stream(request: web.Request, chunks: list[Any]) -> web.StreamResponse
         await response.write(chunk)
     await response.write_eof()
     return response
+
+
+def _packed(tokens: Any) -> bytes:
+    """Token ids as the packed little-endian uint32 bytes the page quota records."""
+    return tokens if isinstance(tokens, bytes) else as_tokens(tokens).tobytes()
 
 
 def _view(row: torch.Tensor | None) -> memoryview:

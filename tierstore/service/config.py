@@ -21,6 +21,13 @@ class ServiceConfig:
     closed to admit a new one (a new one is refused when none is idle). Request bodies being
     read and handled hold at most ``max_inflight_body_bytes`` together (default twice
     ``max_body_bytes``); a body that would exceed it waits up to ``body_timeout_s``, then 503.
+
+    Principals: ``principals`` names a principals file (tokens -> tenants, see
+    :mod:`.principals`); without one, ``auth_token`` (if any) is the one principal's token.
+    Shared-memory reservations: an uncommitted one is reclaimed after ``reservation_ttl_s``;
+    one principal holds at most ``reserved_bytes_per_principal`` (default a quarter of
+    ``kv_host_bytes``) in ``reservations_per_principal`` reservations unless its tenant sets
+    its own quota, and the service at most ``max_reservations`` in all.
     """
 
     host: str = "127.0.0.1"
@@ -38,6 +45,11 @@ class ServiceConfig:
     keepalive_timeout_s: float = 15.0
     max_connections: int = 1024
     max_inflight_body_bytes: int | None = None
+    principals: str | None = None
+    reservation_ttl_s: float = 5.0
+    reserved_bytes_per_principal: int | None = None
+    reservations_per_principal: int = 64
+    max_reservations: int = 4096
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -55,8 +67,28 @@ class ServiceConfig:
             raise ValueError(f"lease_ttl_s must be positive, got {self.lease_ttl_s}")
         if self.auth_token is not None and not self.auth_token.strip():
             raise ValueError("auth_token must not be blank")
+        if self.auth_token is not None and self.principals is not None:
+            raise ValueError("give either auth_token or a principals file, not both (put the "
+                             "token's hash in the file as a tenant)")
+        if not self.reservation_ttl_s > 0:
+            raise ValueError(f"reservation_ttl_s must be positive, got {self.reservation_ttl_s}")
+        for name in ("reservations_per_principal", "max_reservations"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.reserved_bytes_per_principal is not None and \
+                self.reserved_bytes_per_principal < 0:
+            raise ValueError(f"reserved_bytes_per_principal must not be negative, got "
+                             f"{self.reserved_bytes_per_principal}")
 
     @property
     def inflight_body_bytes(self) -> int:
         """Bytes of request bodies held at once (``max_inflight_body_bytes`` or its default)."""
         return self.max_inflight_body_bytes or 2 * self.max_body_bytes
+
+    @property
+    def reserved_bytes_cap(self) -> int:
+        """Bytes one principal may hold reserved (``reserved_bytes_per_principal`` or its
+        default, a quarter of ``kv_host_bytes``)."""
+        if self.reserved_bytes_per_principal is not None:
+            return self.reserved_bytes_per_principal
+        return self.kv_host_bytes // 4

@@ -5,6 +5,10 @@ shared segment that same-host clients read and fill themselves (:mod:`.kv_host`)
 configured every value is also written there (shared across instances and restarts). Runs on
 the service's event loop: host bookkeeping is dict work, Redis I/O is awaited, and bulk copies
 happen in the client (shared memory) or while a range is pinned.
+
+Keys carry their tenant (:meth:`KeyValueStore.key`), so two tenants never share a value; a
+tenant with a byte quota loses its own oldest values first (:mod:`.quotas`). A write answers
+per value whether it is stored and, when not, why (``Reason``).
 """
 
 from __future__ import annotations
@@ -13,11 +17,13 @@ import asyncio
 import logging
 import re
 from collections.abc import Callable, Sequence
+from typing import Literal
 
 import numpy as np
 
 from remote_tier import RedisTier, RemoteTierError
-from tierstore.service.kv_host import HostValues, Value
+from tierstore.service.kv_host import HostValues, Value, tenant_of
+from tierstore.service.quotas import ValueQuota
 
 log = logging.getLogger(__name__)
 _KEY = re.compile(r"^[\x21-\x7e]{1,400}$")
@@ -26,6 +32,10 @@ COPY_ON_LOOP_BYTES = 4 << 20
 # Committed shared-memory writes reach Redis in the background; beyond this many bytes in
 # flight a commit waits for its own write (back-pressure).
 WRITE_BEHIND_BYTES = 256 << 20
+# Why a value was not stored: over the tenant's quota, Redis answered the write with an error
+# (e.g. OOM at maxmemory), Redis could not be reached and host memory had no room, or (no
+# Redis) host memory had no room.
+Reason = Literal["quota", "l3_refused", "l3_unavailable", "no_room"]
 
 
 class BadKeyError(ValueError):
@@ -36,37 +46,77 @@ class KeyValueStore:
     """Engine-keyed values in host memory (LRU, ``capacity_bytes``) and Redis."""
 
     def __init__(self, capacity_bytes: int, remote: RedisTier | None, *, ttl_s: float = 30.0,
-                 shared: bool = True) -> None:
+                 shared: bool = True, reservation_ttl_s: float | None = None) -> None:
         self.capacity_bytes = capacity_bytes
         self.remote = remote
-        self.host = HostValues(capacity_bytes, ttl_s, shared=shared)
+        self.host = HostValues(capacity_bytes, ttl_s, shared=shared,
+                               reservation_ttl_s=reservation_ttl_s)
+        self.quota = ValueQuota()
+        self.refused: dict[str, int] = {}  # values not stored, by reason
         self.hits = {"host": 0, "redis": 0, "miss": 0}
         self.sets = 0
         self._behind: set[asyncio.Task[None]] = set()
         self._behind_bytes = 0
 
     @staticmethod
-    def key(namespace: str, key: object) -> str:
-        """The stored key of ``key`` in ``namespace``: ``{len(namespace)}:{namespace}/{key}``,
-        so no two (namespace, key) pairs share one (``a/b`` + ``c`` is not ``a`` + ``b/c``);
+    def key(namespace: str, key: object, tenant: str = "") -> str:
+        """The stored key of ``key`` in ``tenant``'s ``namespace``:
+        ``{tenant}|{len(namespace)}:{namespace}/{key}`` (without a tenant, the part from
+        ``{len(namespace)}`` on), so no two (tenant, namespace, key) triples share one
+        (``a/b`` + ``c`` is not ``a`` + ``b/c``; tenant names hold no ``|`` or ``:``);
         BadKeyError when malformed. (Before issue 14 it was ``{namespace}/{key}``: values
         stored then are not found under the new keys.)"""
-        if not isinstance(key, str) or not _KEY.match(key):
+        if not isinstance(key, str) or not _KEY.fullmatch(key):
             raise BadKeyError(f"keys must be 1-400 printable ASCII characters, got {key!r:.60}")
-        return f"{len(namespace)}:{namespace}/{key}"
+        scoped = f"{len(namespace)}:{namespace}/{key}"
+        return f"{tenant}|{scoped}" if tenant else scoped
 
-    async def batch_set(self, keys: Sequence[str], values: Sequence[bytes]) -> list[bool]:
-        """Store values (in the order given: parent first); True where some tier took it.
+    async def batch_set(self, keys: Sequence[str], values: Sequence[bytes], *,
+                        limit: int | None = None) -> tuple[list[bool], list[Reason | None]]:
+        """Store values (in the order given: parent first) of one tenant (``limit``: its byte
+        quota, its own oldest values deleted first to make room); per value whether it is
+        stored and, if not, why. A value Redis refused is not kept in host memory either.
         Large batches are copied into host memory by a worker thread, not on the loop."""
+        tenant = tenant_of(keys[0]) if keys else ""
+        fits = len(keys)
+        if limit is not None and keys:
+            fits = await self._quota_room(tenant, limit, keys, [len(v) for v in values])
+        keys, rest = keys[:fits], keys[fits:]
+        values = values[:fits]
         if sum(len(v) for v in values) < COPY_ON_LOOP_BYTES:
             stored = [self.host.put(k, v) for k, v in zip(keys, values, strict=True)]
         else:
             stored = await self._put_off_loop(keys, values)
-        if self.remote is not None:
-            acked = await self._remote_put(keys, values)
-            stored = [a or b for a, b in zip(stored, acked, strict=True)]
+        reasons: list[Reason | None] = [None if ok else "no_room" for ok in stored]
+        if self.remote is not None and keys:
+            acked, why = await self._remote_put(keys, values)
+            for i, ok in enumerate(acked):
+                if ok:
+                    stored[i], reasons[i] = True, None
+                elif why == "l3_refused" or not stored[i]:
+                    if stored[i]:
+                        self.host.drop(keys[i])
+                    stored[i], reasons[i] = False, why
+        if limit is not None:
+            self.quota.charge(tenant, [k for k, ok in zip(keys, stored, strict=True) if ok],
+                              [len(v) for v, ok in zip(values, stored, strict=True) if ok])
         self.sets += len(keys)
-        return stored
+        reasons += ["quota"] * len(rest)
+        for reason in reasons:
+            if reason is not None:
+                self.refused[reason] = self.refused.get(reason, 0) + 1
+        return stored + [False] * len(rest), reasons
+
+    async def _quota_room(self, tenant: str, limit: int, keys: Sequence[str],
+                          sizes: Sequence[int]) -> int:
+        """Delete ``tenant``'s oldest values until as many of ``keys`` as its quota allows
+        fit; how many (from the first) do."""
+        fits, victims = self.quota.make_room(tenant, limit, keys, sizes)
+        if victims:
+            log.info("tenant %s over its %d-byte quota: deleting its %d oldest values",
+                     tenant, limit, len(victims))
+            await self.delete(victims)
+        return fits
 
     async def _put_off_loop(self, keys: Sequence[str], values: Sequence[bytes]) -> list[bool]:
         ranges = [self.host.reserve(len(v)) for v in values]
@@ -162,7 +212,9 @@ class KeyValueStore:
         return present
 
     async def delete(self, keys: Sequence[str]) -> int:
-        """Delete ``keys`` everywhere; how many some tier held."""
+        """Delete ``keys`` (of one tenant) everywhere; how many some tier held."""
+        if keys:
+            self.quota.forget(tenant_of(keys[0]), keys)
         deleted = sum(self.host.drop(k) for k in set(keys))
         in_redis = 0
         if self.remote is not None:
@@ -173,21 +225,43 @@ class KeyValueStore:
         return max(deleted, in_redis)  # Redis holds every value that host memory holds
 
     # ------------------------------------------------------------------ reserve -> commit
-    def reserve(self, keys: Sequence[str], sizes: Sequence[int]
-                ) -> tuple[str, list[Value | None]]:
+    def reserve(self, keys: Sequence[str], sizes: Sequence[int], principal: str = "", *,
+                budget: int | None = None) -> tuple[str, list[Value | None]]:
         """Unpublished host ranges for values of ``sizes`` under ``keys`` (None where one cannot
-        fit), held for the client to fill until :meth:`commit` or the TTL; the reservation id
-        and the ranges."""
-        values = [self.host.reserve(n) for n in sizes]
-        return self.host.hold_reservation(list(zip(keys, values, strict=True))), values
+        fit: only the keys' tenant's own values are evicted for them, and the ranges given
+        total at most ``budget`` bytes), held for ``principal`` to fill until :meth:`commit`
+        or the reservation TTL; the reservation id and the ranges."""
+        owner = tenant_of(keys[0]) if keys else ""
+        values: list[Value | None] = []
+        left = self.capacity_bytes if budget is None else budget
+        for n in sizes:
+            value = self.host.reserve(n, owner=owner) if n <= left else None
+            left -= 0 if value is None else n
+            values.append(value)
+        items = list(zip(keys, values, strict=True))
+        return self.host.hold_reservation(items, principal), values
 
-    async def commit(self, res_id: str) -> list[bool] | None:
-        """Publish a filled reservation; per key whether host memory took it. Redis gets the
-        values in the background (or, past ``WRITE_BEHIND_BYTES`` in flight, before this
-        returns). None when the reservation is unknown or expired (nothing is published)."""
-        items = self.host.take_reservation(res_id)
+    async def commit(self, res_id: str, principal: str = "", *, limit: int | None = None
+                     ) -> list[bool] | None:
+        """Publish a filled reservation of ``principal``; per key whether host memory took it
+        (and, with a tenant byte quota ``limit``, whether it fit: its oldest values go first).
+        Redis gets the values in the background (or, past ``WRITE_BEHIND_BYTES`` in flight,
+        before this returns). None when the reservation is unknown, expired or another
+        principal's (nothing is published)."""
+        items = self.host.take_reservation(res_id, principal)
         if items is None:
             return None
+        if limit is not None and items:
+            tenant = tenant_of(items[0][0])
+            filled = [(k, v) for k, v in items if v is not None]
+            fits = await self._quota_room(tenant, limit, [k for k, _ in filled],
+                                          [v.length for _, v in filled])
+            for _, value in filled[fits:]:
+                self.host.abandon(value)
+            kept = {id(v) for _, v in filled[:fits]}
+            items = [(k, v if v is not None and id(v) in kept else None) for k, v in items]
+            self.quota.charge(tenant, [k for k, _ in filled[:fits]],
+                              [v.length for _, v in filled[:fits]])
         done = [(k, v) for k, v in items if v is not None]
         for key, value in done:
             self.host.publish(key, value)
@@ -205,9 +279,10 @@ class KeyValueStore:
                 task.add_done_callback(self._behind.discard)
         return [v is not None for _, v in items]
 
-    def abort(self, res_id: str) -> bool:
-        """Return a reservation's ranges unpublished; False when unknown or expired."""
-        items = self.host.take_reservation(res_id)
+    def abort(self, res_id: str, principal: str = "") -> bool:
+        """Return a reservation's ranges unpublished; False when unknown, expired or another
+        principal's."""
+        items = self.host.take_reservation(res_id, principal)
         for _, value in items or []:
             if value is not None:
                 self.host.abandon(value)
@@ -236,17 +311,24 @@ class KeyValueStore:
 
     def stats(self) -> dict[str, int]:
         return {**self.host.stats(), "sets": self.sets, "redis_behind_bytes": self._behind_bytes,
-                **{f"hits_{k}": v for k, v in self.hits.items()}}
+                **{f"hits_{k}": v for k, v in self.hits.items()},
+                **{f"refused_{k}": v for k, v in self.refused.items()}}
 
     async def _remote_put(self, keys: Sequence[str], values: Sequence[bytes | memoryview]
-                          ) -> list[bool]:
+                          ) -> tuple[list[bool], Reason]:
+        """Per key whether Redis acknowledged the write, and why the others failed: an error
+        reply seen during the call (``l3_refused``, e.g. OOM at maxmemory) or not
+        (``l3_unavailable``). Attribution is per call: concurrent calls share the counter."""
         assert self.remote is not None
+        refusals = self.remote.stats().errors.get("server", 0)
         try:
-            return await self.remote.put_many(
+            acked = await self.remote.put_many(
                 [(self.remote.raw_key(k), v) for k, v in zip(keys, values, strict=True)])
         except RemoteTierError as exc:
             log.warning("redis put failed: %s", exc)
-            return [False] * len(keys)
+            acked = [False] * len(keys)
+        refused = self.remote.stats().errors.get("server", 0) > refusals
+        return acked, "l3_refused" if refused else "l3_unavailable"
 
     async def _remote_get(self, keys: Sequence[str]) -> list[memoryview | None]:
         assert self.remote is not None

@@ -5,8 +5,11 @@ Values live in byte ranges of a :class:`~host_tier.shm.SharedSegment` (private m
 *pinned* while someone reads it outside the loop (a client's read lease, an HTTP response
 being streamed, a Redis write in flight); a pinned value that is replaced, deleted or evicted
 disappears from the index at once and its bytes are reused only after the last unpin. Writes
-*reserve* a range, fill it, then *publish* it: until then nothing is visible. Leases and
-reservations handed to clients expire after ``ttl_s`` (a client may die holding one).
+*reserve* a range, fill it, then *publish* it: until then nothing is visible. Leases handed to
+clients expire after ``ttl_s``, reservations after ``reservation_ttl_s`` (a client may die
+holding one); each belongs to the principal that took it and is unknown to anyone else.
+A value's *owner* is the tenant in its key (:func:`tenant_of`); a reservation made for a
+tenant evicts only that tenant's values.
 Runs on the service's event loop; not thread-safe.
 """
 
@@ -17,7 +20,7 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -36,13 +39,36 @@ class Value:
     length: int
     pins: int = 0
     dead: bool = False
+    owner: str = ""
+
+
+@dataclass
+class Reservation:
+    """Unpublished ranges (with the keys they are for) held for ``principal`` until ``until``."""
+
+    items: list[tuple[str, Value | None]]
+    principal: str
+    until: float
+    nbytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.nbytes = sum(v.length for _, v in self.items if v is not None)
+
+
+def tenant_of(key: str) -> str:
+    """The tenant a stored key belongs to: the part before ``|`` in ``{tenant}|{rest}``, ""
+    for the keys of a service without tenants (they start ``{digits}:``)."""
+    bar, colon = key.find("|"), key.find(":")
+    return key[:bar] if bar > 0 and (colon < 0 or bar < colon) else ""
 
 
 class HostValues:
     """Values under keys in ``capacity_bytes`` of (shared) memory, least recently used first."""
 
-    def __init__(self, capacity_bytes: int, ttl_s: float, *, shared: bool = True) -> None:
+    def __init__(self, capacity_bytes: int, ttl_s: float, *, shared: bool = True,
+                 reservation_ttl_s: float | None = None) -> None:
         self.ttl_s = ttl_s
+        self.reservation_ttl_s = ttl_s if reservation_ttl_s is None else reservation_ttl_s
         self.segment: SharedSegment | None = None
         if shared and available(capacity_bytes):
             try:
@@ -55,8 +81,9 @@ class HostValues:
         self._bytes = self.buffer.numpy()
         self.slots = ByteSlots(capacity_bytes)
         self._index: OrderedDict[str, Value] = OrderedDict()
-        self._leases: dict[str, tuple[list[Value], float]] = {}
-        self._reserved: dict[str, tuple[list[tuple[str, Value | None]], float]] = {}
+        self._leases: dict[str, tuple[list[Value], float, str]] = {}
+        self._reserved: dict[str, Reservation] = {}
+        self._held: dict[str, tuple[int, int]] = {}  # principal -> (reservations, bytes)
         self.live_bytes = 0
         self.evictions = 0
 
@@ -92,14 +119,16 @@ class HostValues:
         self.publish(key, value)
         return True
 
-    def reserve(self, nbytes: int) -> Value | None:
+    def reserve(self, nbytes: int, *, owner: str | None = None) -> Value | None:
         """An unindexed range of ``nbytes`` to fill (evicting least recently used unpinned
-        values as needed); None when it cannot fit even then (pinned values and fragments)."""
+        values as needed: only ``owner``'s when given); None when it cannot fit even then
+        (pinned values, other tenants' values and fragments)."""
         if nbytes > self.slots.capacity:
             return None
         start = self.slots.alloc(max(1, nbytes))
         if start is None:
-            for key in [k for k, v in self._index.items() if not v.pins]:
+            for key in [k for k, v in self._index.items()
+                        if not v.pins and (owner is None or v.owner == owner)]:
                 self.drop(key)
                 self.evictions += 1
                 start = self.slots.alloc(max(1, nbytes))
@@ -112,6 +141,7 @@ class HostValues:
     def publish(self, key: str, value: Value) -> None:
         """Make a filled reservation the value of ``key`` (replacing the old one)."""
         self.drop(key)
+        value.owner = tenant_of(key)
         self._index[key] = value
         self.live_bytes += value.length
 
@@ -157,46 +187,69 @@ class HostValues:
             self.slots.free(value.start)
 
     # ------------------------------------------------------------------ client holds
-    def lease(self, values: Iterable[Value]) -> str:
-        """Hand the pins the caller holds on ``values`` to a client until :meth:`end_lease` or
-        ``ttl_s``; the lease id."""
+    def lease(self, values: Iterable[Value], principal: str = "") -> str:
+        """Hand the pins the caller holds on ``values`` to ``principal`` until
+        :meth:`end_lease` or ``ttl_s``; the lease id."""
         held = list(values)
         lease_id = secrets.token_urlsafe(18)
-        self._leases[lease_id] = (held, time.monotonic() + self.ttl_s)
+        self._leases[lease_id] = (held, time.monotonic() + self.ttl_s, principal)
         return lease_id
 
-    def end_lease(self, lease_id: str) -> bool:
-        """Unpin a lease's values; False when it was unknown or had expired (its ranges may
-        have been reused since: what the client copied under it is not to be trusted)."""
-        entry = self._leases.pop(lease_id, None)
-        if entry is None:
+    def end_lease(self, lease_id: str, principal: str = "") -> bool:
+        """Unpin a lease's values; False when it was unknown, had expired (its ranges may
+        have been reused since: what the client copied under it is not to be trusted), or
+        belongs to another principal (then it stays held)."""
+        entry = self._leases.get(lease_id)
+        if entry is None or not secrets.compare_digest(entry[2], principal):
             return False
+        del self._leases[lease_id]
         for value in entry[0]:
             self.unpin(value)
         return True
 
-    def hold_reservation(self, items: list[tuple[str, Value | None]]) -> str:
-        """Keep unpublished ranges (with the keys they are for) for a client to fill; the
-        reservation id."""
+    def reservations_held(self, principal: str) -> tuple[int, int]:
+        """(reservations, bytes) ``principal`` holds now."""
+        return self._held.get(principal, (0, 0))
+
+    @property
+    def num_reservations(self) -> int:
+        return len(self._reserved)
+
+    def hold_reservation(self, items: list[tuple[str, Value | None]], principal: str = ""
+                         ) -> str:
+        """Keep unpublished ranges (with the keys they are for) for ``principal`` to fill until
+        ``reservation_ttl_s``; the reservation id."""
         res_id = secrets.token_urlsafe(18)
-        self._reserved[res_id] = (items, time.monotonic() + self.ttl_s)
+        held = Reservation(items, principal, time.monotonic() + self.reservation_ttl_s)
+        self._reserved[res_id] = held
+        count, nbytes = self.reservations_held(principal)
+        self._held[principal] = (count + 1, nbytes + held.nbytes)
         return res_id
 
-    def take_reservation(self, res_id: str) -> list[tuple[str, Value | None]] | None:
+    def take_reservation(self, res_id: str, principal: str = ""
+                         ) -> list[tuple[str, Value | None]] | None:
         """The reservation's (key, range) pairs (the caller publishes or abandons them); None
-        when unknown or expired."""
-        entry = self._reserved.pop(res_id, None)
-        return None if entry is None else entry[0]
+        when unknown, expired or another principal's (then it stays held)."""
+        held = self._reserved.get(res_id)
+        if held is None or not secrets.compare_digest(held.principal, principal):
+            return None
+        del self._reserved[res_id]
+        count, nbytes = self._held[principal]
+        if count == 1:
+            del self._held[principal]
+        else:
+            self._held[principal] = (count - 1, nbytes - held.nbytes)
+        return held.items
 
     def expire(self) -> tuple[int, int]:
         """End leases and abandon reservations past their time; (leases, reservations)."""
         now = time.monotonic()
-        leases = [k for k, (_, until) in self._leases.items() if until <= now]
-        for lease_id in leases:
-            self.end_lease(lease_id)
-        held = [k for k, (_, until) in self._reserved.items() if until <= now]
-        for res_id in held:
-            for _, value in self._reserved.pop(res_id)[0]:
+        leases = [(k, who) for k, (_, until, who) in self._leases.items() if until <= now]
+        for lease_id, who in leases:
+            self.end_lease(lease_id, who)
+        held = [(k, r.principal) for k, r in self._reserved.items() if r.until <= now]
+        for res_id, who in held:
+            for _, value in self.take_reservation(res_id, who) or []:
                 if value is not None:
                     self.abandon(value)
         return len(leases), len(held)
@@ -214,9 +267,14 @@ class HostValues:
         assert self.live_bytes == sum(v.length for v in self._index.values())
         indexed = {v.start for v in self._index.values()}
         assert len(indexed) == len(self._index), "two keys share a range"
-        reserved = {v.start for vs, _ in self._reserved.values() for _, v in vs
+        reserved = {v.start for r in self._reserved.values() for _, v in r.items
                     if v is not None}
-        leased = {v.start for vs, _ in self._leases.values() for v in vs}
+        leased = {v.start for vs, _, _ in self._leases.values() for v in vs}
+        held: dict[str, tuple[int, int]] = {}
+        for r in self._reserved.values():
+            count, nbytes = held.get(r.principal, (0, 0))
+            held[r.principal] = (count + 1, nbytes + r.nbytes)
+        assert held == self._held, f"reservation totals {self._held} != {held}"
         assert self.slots.starts() >= indexed | reserved | leased
 
     def close(self) -> None:

@@ -12,43 +12,64 @@ Every data call names the segment the client mapped (409 when it is not this ser
   (``released: false`` means it expired first and the copy must be discarded);
 - ``/v1/storage/shm_reserve`` holds unpublished ranges; the client copies into them;
   ``/v1/storage/shm_commit`` makes them visible (and writes them through to Redis), or
-  ``/v1/storage/shm_abort`` returns them. An uncommitted reservation is reclaimed after the
-  lease TTL: a client that dies between reserve and commit leaves nothing visible.
+  ``/v1/storage/shm_abort`` returns them. An uncommitted reservation is reclaimed after
+  ``--reservation-ttl`` seconds: a client that dies between reserve and commit leaves nothing
+  visible. A principal holds at most its reservation quota (count and bytes; 429
+  ``reservation_quota`` beyond), the service at most ``max_reservations`` (503
+  ``reservations_full``), and a reservation evicts only its own tenant's values.
 
 - ``/v1/shm/fetch`` is ``/v1/fetch`` for a same-host client: the matched prefix's rows are
   copied (off the store's thread) into staged ranges of the segment, answered as
   ``[offset, length]`` per envelope under a read lease (503 ``shm_full`` when they do not fit:
   use ``/v1/fetch``).
 
-Leases and reservations expire after ``--lease-ttl`` seconds.
+Leases expire after ``--lease-ttl`` seconds. Leases and reservations belong to the principal
+that took them: to anyone else they do not exist (``released: false``, 404, ``aborted: false``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol, TypeVar
 
 import msgpack
 import torch
 from aiohttp import web
 
-from tierstore.hashing import check_namespace
+from tierstore.service.access import principal, require_write, store_namespace
 from tierstore.service.codec import MSGPACK, HTTPError, field, read_body, tokens_field
+from tierstore.service.config import ServiceConfig
+from tierstore.service.kv import KeyValueStore
 from tierstore.service.kv_host import Value
 from tierstore.shm_client import copy_bytes
-
-if TYPE_CHECKING:
-    from tierstore.service.app import Service
+from tierstore.store import TierStore
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class ServiceCore(Protocol):
+    """What the shared-memory routes use of the service (``app.Service`` implements it)."""
+
+    store: TierStore
+    config: ServiceConfig
+    kv: KeyValueStore
+
+    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run ``fn`` on the store's thread."""
+        ...
+
+    def keys(self, request: web.Request, body: dict[str, Any]) -> list[str]:
+        """The stored (tenant-scoped) keys a storage request names."""
+        ...
 
 
 class ShmRoutes:
     """The ``/v1/shm/*`` and ``/v1/storage/shm_*`` handlers of one service."""
 
-    def __init__(self, service: Service) -> None:
+    def __init__(self, service: ServiceCore) -> None:
         self.service = service
         self.kv = service.kv
         self._tasks: set[asyncio.Future[Any]] = set()
@@ -67,7 +88,9 @@ class ShmRoutes:
     async def _reaper(self, app: web.Application) -> AsyncIterator[None]:
         async def loop() -> None:
             while True:
-                await asyncio.sleep(min(1.0, self.service.config.lease_ttl_s / 4))
+                config = self.service.config
+                await asyncio.sleep(min(1.0, config.lease_ttl_s / 4,
+                                        config.reservation_ttl_s / 4))
                 leases, reservations = self.kv.host.expire()
                 if leases or reservations:
                     log.info("expired %d shared-memory leases, %d reservations", leases,
@@ -90,9 +113,9 @@ class ShmRoutes:
         body = await read_body(request)
         self._check(body)
         tokens = tokens_field(body, self.service.config.max_tokens)
-        namespace = check_namespace(field(body, "namespace", str, default="default"))
+        scoped = store_namespace(request, body)
         store = self.service.store
-        read = await self.service.run(store.read_prefix, tokens, namespace)
+        read = await self.service.run(store.read_prefix, tokens, scoped)
         handed_off = False
         try:
             rows = [(kind, i, row) for kind, kind_rows in read.rows.items()
@@ -126,7 +149,7 @@ class ShmRoutes:
                                      for kind, kind_rows in read.rows.items()}
         for (kind, i, _), value in zip(rows, staged, strict=True):
             out[kind][i] = [value.start, value.length]
-        lease = self.kv.host.lease(staged) if staged else None
+        lease = self.kv.host.lease(staged, principal(request).id) if staged else None
         return _msgpack({"matched_tokens": match.tokens, "pages": match.pages,
                          "checkpoint": match.tokens if match.state is not None else None,
                          "tiers": match.tiers, "lease": lease, "kv": out.get("kv", []),
@@ -136,42 +159,71 @@ class ShmRoutes:
     async def get(self, request: web.Request) -> web.Response:
         body = await read_body(request)
         self._check(body)
-        keys = self.service._keys(body)
+        keys = self.service.keys(request, body)
         found = await self.kv.lookup(keys)
         pinned = [v for v in found if isinstance(v, Value)]
-        lease = self.kv.host.lease(pinned) if pinned else None
+        lease = self.kv.host.lease(pinned, principal(request).id) if pinned else None
         values = [[v.start, v.length] if isinstance(v, Value) else v for v in found]
         return _msgpack({"lease": lease, "values": values})
 
     async def release(self, request: web.Request) -> web.Response:
         lease = field(await read_body(request), "lease", str)
-        return web.json_response({"released": self.kv.host.end_lease(lease)})
+        return web.json_response({"released": self.kv.host.end_lease(lease,
+                                                                     principal(request).id)})
 
     async def reserve(self, request: web.Request) -> web.Response:
         body = await read_body(request)
+        who = require_write(request)
         self._check(body)
-        keys = self.service._keys(body)
+        keys = self.service.keys(request, body)
         sizes = field(body, "sizes", list)
         if len(sizes) != len(keys) or not all(type(n) is int and n >= 0 for n in sizes):
             raise HTTPError(422, "wrong_shape", f"{len(keys)} keys need as many sizes "
                                                 f"(non-negative ints), got {len(sizes)}")
-        res_id, values = self.kv.reserve(keys, sizes)
+        budget = self._budget(who.id, who.tenant.max_reservations,
+                              who.tenant.max_reserved_bytes)
+        res_id, values = self.kv.reserve(keys, sizes, who.id, budget=budget)
         return _msgpack({"reservation": res_id,
                          "slots": [None if v is None else [v.start, v.length]
                                    for v in values]})
 
     async def commit(self, request: web.Request) -> web.Response:
-        res_id = field(await read_body(request), "reservation", str)
-        stored = await self.kv.commit(res_id)
+        body = await read_body(request)
+        who = require_write(request)
+        res_id = field(body, "reservation", str)
+        stored = await self.kv.commit(res_id, who.id, limit=who.tenant.max_value_bytes)
         if stored is None:
             raise HTTPError(404, "unknown_reservation", f"reservation {res_id:.24} is not held "
-                            f"(committed, aborted, or expired after "
-                            f"{self.service.config.lease_ttl_s} s)")
+                            f"(committed, aborted, expired after "
+                            f"{self.service.config.reservation_ttl_s} s, or never issued to "
+                            f"you)")
         return web.json_response({"stored": stored})
 
     async def abort(self, request: web.Request) -> web.Response:
-        res_id = field(await read_body(request), "reservation", str)
-        return web.json_response({"aborted": self.kv.abort(res_id)})
+        body = await read_body(request)
+        who = require_write(request)
+        res_id = field(body, "reservation", str)
+        return web.json_response({"aborted": self.kv.abort(res_id, who.id)})
+
+    def _budget(self, who: str, max_count: int | None, max_bytes: int | None) -> int:
+        """The bytes ``who`` may still reserve under its quota (its tenant's, else the
+        service's per-principal default): values past it get no range (the client sends
+        them over HTTP). 429 when it holds its quota of reservations; 503 when the service
+        holds ``max_reservations`` already."""
+        config = self.service.config
+        count_cap = config.reservations_per_principal if max_count is None else max_count
+        bytes_cap = config.reserved_bytes_cap if max_bytes is None else max_bytes
+        count, held = self.kv.host.reservations_held(who)
+        if count >= count_cap:
+            raise HTTPError(429, "reservation_quota",
+                            f"you hold {count} reservations ({held} bytes), your quota is "
+                            f"{count_cap} (commit or abort first; uncommitted ones expire "
+                            f"after {config.reservation_ttl_s} s)")
+        if self.kv.host.num_reservations >= config.max_reservations:
+            raise HTTPError(503, "reservations_full",
+                            f"the service holds {config.max_reservations} reservations; "
+                            f"retry after they are committed or expire")
+        return max(0, bytes_cap - held)
 
     def _check(self, body: dict[str, Any]) -> None:
         """503 without a segment; 409 when the client mapped another one (e.g. of a service
