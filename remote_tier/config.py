@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import unquote, urlsplit
 
+from remote_tier.mac import check_secret
 from remote_tier.wire import MAX_HEADER_BYTES
 
 Mode = Literal["standalone", "cluster"]
@@ -50,6 +51,10 @@ class RemoteTierConfig:
     Readers take values written with any ``chunk_bytes``; a reader with the writer's setting
     receives every part straight into the caller's buffer in one round trip.
     ``max_value_bytes`` bounds one Redis value (one part with its header).
+
+    ``mac_key`` is the deployment secret (at least 32 bytes, shared by every instance that
+    shares this L3) that values are authenticated with (``remote_tier.mac``); ``None``: this
+    user's key file (``mac.user_key_file()``, created on first use). It is never printed.
     """
 
     url: str = "redis://127.0.0.1:6379/0"
@@ -67,9 +72,12 @@ class RemoteTierConfig:
     breaker_max_cooldown_s: float = 30.0
     recv_pool_bytes: int = 256 * 1024 * 1024
     chunk_bytes: int = 16 * 1024 * 1024
+    mac_key: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.endpoint()  # validates the URL
+        if self.mac_key is not None:
+            check_secret(self.mac_key)
         if self.mode not in ("standalone", "cluster"):
             raise ValueError(f"mode must be 'standalone' or 'cluster', got {self.mode!r}")
         if self.mode == "cluster" and self.endpoint().db != 0:

@@ -12,6 +12,7 @@ from remote_tier import wire
 from remote_tier.buffers import BufferPool
 from remote_tier.errors import CorruptValue, OldFormat
 from remote_tier.keys import KeyParts, part_key
+from remote_tier.mac import Mac
 from remote_tier.resp import BulkSink, Reply
 from remote_tier.split import Assembly
 from remote_tier.stats import Counters
@@ -27,7 +28,8 @@ class ReadBatch:
     received straight into its slice. ``take_heads`` then ``finish`` (after reading the parts
     of the split values it returned); ``corrupt`` (heads) and ``useless`` (other keys) are
     then what to delete, and ``absent`` the keys that read as absent (a key holding another
-Redis type than a string reads absent too: ``RedisTier`` probes them)."""
+    Redis type than a string reads absent too: ``RedisTier`` probes them). Every payload is
+    verified with ``mac`` before it is a result."""
 
     def __init__(
         self,
@@ -38,8 +40,10 @@ Redis type than a string reads absent too: ``RedisTier`` probes them)."""
         chunk_bytes: int,
         buffers: BufferPool,
         counters: Counters,
+        mac: Mac,
     ) -> None:
         self._keys_b = keys_b
+        self._mac = mac
         self._parts = parts
         self._outs = outs
         self._buffers = buffers
@@ -59,7 +63,7 @@ Redis type than a string reads absent too: ``RedisTier`` probes them)."""
             if num == 1:
                 self.sinks[i] = _sink(parts[i], out)
                 continue
-            plan = Assembly(keys_b[i], parts[i], num, out)
+            plan = Assembly(keys_b[i], parts[i], num, out, mac)
             plan.first = len(self.fetch)
             self._planned[i] = plan
             self.sinks[i] = plan.sink(0)
@@ -100,7 +104,9 @@ Redis type than a string reads absent too: ``RedisTier`` probes them)."""
             if a.failure is None:
                 num_values += a.num_parts
             elif a.failure == "corrupt":
-                self._counters.anomaly("corrupt", a.parts.kind, f"split value {a.key_b[:80]!r}")
+                why = "MAC mismatch in" if a.bad_tag else "bad part of"
+                self._counters.num_mac_failures += a.bad_tag
+                self._counters.anomaly("corrupt", a.parts.kind, f"{why} split {a.key_b[:80]!r}")
                 self.corrupt.append(a.key_b)
                 self.useless += a.part_keys()
             elif a.failure == "incomplete":
@@ -126,7 +132,12 @@ Redis type than a string reads absent too: ``RedisTier`` probes them)."""
                 header = _whole_header(scratch)
                 if header is not None and out is not None and len(payload) == len(out):
                     wire.verify(
-                        header, payload, key_b=key_b, kind=parts.kind, layout_fp=parts.layout_fp
+                        self._mac,
+                        header,
+                        payload,
+                        key_b=key_b,
+                        kind=parts.kind,
+                        layout_fp=parts.layout_fp,
                     )
                     return payload
                 value = memoryview(b"".join(reply))  # another layout than expected: rejoin
@@ -140,13 +151,19 @@ Redis type than a string reads absent too: ``RedisTier`` probes them)."""
             payload = value[size:]
             if header.version == wire.FORMAT_VERSION:
                 wire.verify(
-                    header, payload, key_b=key_b, kind=parts.kind, layout_fp=parts.layout_fp
+                    self._mac,
+                    header,
+                    payload,
+                    key_b=key_b,
+                    kind=parts.kind,
+                    layout_fp=parts.layout_fp,
                 )
             else:
                 doomed = [part_key(key_b, i) for i in range(1, header.num_parts)]
                 return self._split_head(header, payload, parts, key_b, out)
         except CorruptValue as exc:
             kind = "old_format" if isinstance(exc, OldFormat) else "corrupt"
+            self._counters.num_mac_failures += isinstance(exc, wire.BadTag)
             self._counters.anomaly(kind, parts.kind, f"{exc} at {key_b[:80]!r}")
             return doomed
         if out is not None:  # a value whose header size was unexpected came in whole
@@ -183,7 +200,7 @@ Redis type than a string reads absent too: ``RedisTier`` probes them)."""
         else:
             dest = memoryview(bytearray(total))
         dest[:end] = payload
-        return Assembly(key_b, parts, header.num_parts, dest, header.checksum)
+        return Assembly(key_b, parts, header.num_parts, dest, self._mac, header.tag)
 
 
 def _pooled_sink(buffers: BufferPool) -> BulkSink:

@@ -3,9 +3,9 @@ reassembly of a split value read back (layout and headers: ``wire``; part keys: 
 
 A split value is visible once its head (part 0, at the key itself) is: the head is written
 after every other part is acknowledged, so a reader goes by the head's header. Every part
-carries the whole payload's checksum — bound to the head's key — so parts of two different
+carries the whole payload's MAC tag — bound to the head's key — so parts of two different
 writes of one key, or of another key's value, are never taken for one value, and the
-assembled payload is checked once as a whole against the key it is read at.
+assembled payload is verified once as a whole against the key it is read at.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from remote_tier import wire
 from remote_tier.config import RemoteTierConfig
 from remote_tier.errors import CorruptValue, ValueTooLarge
 from remote_tier.keys import KeyParts, part_key
+from remote_tier.mac import Mac
 from remote_tier.resp import BulkSink, Reply
 
 # Why an assembly failed, mildest first: a part unreadable now (node down: keep the value),
@@ -25,7 +26,7 @@ _RANK: dict[Failure | None, int] = {None: 0, "unavailable": 1, "incomplete": 2, 
 
 
 def values_of(
-    key: str, parts: KeyParts, payload: memoryview, config: RemoteTierConfig
+    key: str, parts: KeyParts, payload: memoryview, config: RemoteTierConfig, mac: Mac
 ) -> list[tuple[bytes, bytes, memoryview]]:
     """``(Redis key, header, payload slice)`` of each Redis value storing ``payload`` at
     ``key``, the head last. Raises ``ValueTooLarge`` (the numbers in the message) when one
@@ -38,9 +39,9 @@ def values_of(
             f"{config.chunk_bytes}, at most {wire.MAX_PARTS}"
         )
     if num == 1:
-        values = [(key_b, wire.encode_header(key_b, kind, fp, payload), payload)]
+        values = [(key_b, wire.encode_header(mac, key_b, kind, fp, payload), payload)]
     else:
-        digest = wire.checksum(key_b, fp, payload)
+        digest = wire.tag(mac, key_b, kind, fp, payload, num)
         values = []
         for index in [*range(1, num), 0]:
             lo, hi = wire.part_span(total, num, index)
@@ -58,8 +59,9 @@ def values_of(
 
 class Assembly:
     """One split value being received into ``dest`` (its ``total`` bytes): the part
-    headers seen so far and whether any failed. The head's checksum is known up front
-    (``digest``) or learnt from the head (``take_head``)."""
+    headers seen so far and whether any failed. The head's tag is known up front
+    (``digest``) or learnt from the head (``take_head``); ``finish`` verifies it with ``mac``
+    (``bad_tag`` when that failed)."""
 
     def __init__(
         self,
@@ -67,6 +69,7 @@ class Assembly:
         parts: KeyParts,
         num_parts: int,
         dest: memoryview,
+        mac: Mac,
         digest: bytes | None = None,
     ) -> None:
         assert 2 <= num_parts <= wire.MAX_PARTS, f"{num_parts} parts"
@@ -75,6 +78,8 @@ class Assembly:
         self.num_parts = num_parts
         self.dest = dest
         self.digest = digest
+        self.mac = mac
+        self.bad_tag = False
         self.failure: Failure | None = None
         self.first = 0  # where the replies of parts 1.. start in the caller's batch
 
@@ -103,11 +108,11 @@ class Assembly:
 
     def take_head(self, reply: Reply | Exception) -> bool:
         """Whether ``reply`` (of ``sink(0)``) is the head this layout expects; if so its
-        checksum is now ``digest``."""
+        tag is now ``digest``."""
         header = self._header(reply, 0)
         if header is None:
             return False
-        self.digest = header.checksum
+        self.digest = header.tag
         return True
 
     def take_part(self, index: int, reply: Reply | Exception) -> None:
@@ -120,11 +125,14 @@ class Assembly:
             self._fail("corrupt")
 
     def finish(self) -> memoryview | None:
-        """The assembled payload (``dest``) once every part passed and the whole checksum
-        matches; else ``None`` with ``failure`` set."""
-        fp = self.parts.layout_fp
-        if self.failure is None and wire.checksum(self.key_b, fp, self.dest) != self.digest:
-            self._fail("corrupt")
+        """The assembled payload (``dest``) once every part passed and the whole tag
+        verifies; else ``None`` with ``failure`` set."""
+        if self.failure is None:
+            kind, fp, num = self.parts.kind, self.parts.layout_fp, self.num_parts
+            binding = wire.binding(kind, fp, len(self.dest), num)
+            if not self.mac.verify(self.key_b, binding, self.dest, self.digest or b""):
+                self.bad_tag = True
+                self._fail("corrupt")
         return self.dest if self.failure is None else None
 
     def _fail(self, failure: Failure) -> None:
@@ -133,7 +141,7 @@ class Assembly:
 
     def _header(self, reply: Reply | Exception, index: int) -> wire.Header | None:
         """The header of a reply received as (scratch, slice), if it is exactly the one
-        expected for part ``index`` (any checksum while ``digest`` is unknown)."""
+        expected for part ``index`` (any tag while ``digest`` is unknown)."""
         if not (isinstance(reply, tuple) and len(reply) == 2):
             return None
         scratch = reply[0]
@@ -141,7 +149,7 @@ class Assembly:
             header, size = wire.read_header(scratch)
         except CorruptValue:
             return None
-        digest = header.checksum if self.digest is None else self.digest
+        digest = header.tag if self.digest is None else self.digest
         want = wire.Header(
             wire.SPLIT_FORMAT_VERSION,
             self.parts.kind,

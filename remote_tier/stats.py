@@ -23,10 +23,12 @@ class RemoteTierStats:
     ``server`` (error replies), ``moved`` (stale cluster slot map), ``corrupt`` (a value
     failed a check), ``incomplete`` (a split value missing a part), ``size_mismatch`` (valid
     value, wrong size for the caller's buffer), ``old_format`` (a value in a wire format before
-    key binding), ``wrongtype`` (a key of this tier holding a non-string Redis type, e.g. a
-    LIST). Values count once however many parts they
-    are split into: ``bytes_in``/``bytes_out`` count payload bytes of hits and acknowledged
-    puts (headers excluded). ``breakers`` maps each node address to its breaker state.
+    the MAC: formats 1-4), ``wrongtype`` (a key of this tier holding a non-string Redis type,
+    e.g. a LIST). ``num_mac_failures`` counts the values among ``corrupt`` whose MAC tag did
+    not verify (damaged, forged, copied from another key, or written with another
+    deployment's secret). Values count once however many parts they are split into:
+    ``bytes_in``/``bytes_out`` count payload bytes of hits and acknowledged puts (headers
+    excluded). ``breakers`` maps each node address to its breaker state.
     """
 
     num_hits: int
@@ -35,6 +37,7 @@ class RemoteTierStats:
     num_put_failures: int
     num_corrupt_deleted: int
     num_deleted: int
+    num_mac_failures: int
     bytes_in: int
     bytes_out: int
     errors: dict[str, int] = field(default_factory=dict)
@@ -53,6 +56,7 @@ class Counters:
         self.num_put_failures = 0
         self.num_corrupt_deleted = 0
         self.num_deleted = 0
+        self.num_mac_failures = 0
         self.bytes_in = 0
         self.bytes_out = 0
         self.errors: Counter[str] = Counter()
@@ -84,6 +88,7 @@ class Counters:
             num_put_failures=self.num_put_failures,
             num_corrupt_deleted=self.num_corrupt_deleted,
             num_deleted=self.num_deleted,
+            num_mac_failures=self.num_mac_failures,
             bytes_in=self.bytes_in,
             bytes_out=self.bytes_out,
             errors=dict(self.errors),

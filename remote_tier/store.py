@@ -1,15 +1,17 @@
 """``RedisTier``: the L3 envelope store on Redis or Redis Cluster (mechanism only).
 
 Every value is ``wire`` header + payload under a key from ``keys``; the key names the kind
-and layout fingerprint the header must carry. A payload over ``chunk_bytes`` is split into
-parts, one Redis value each (``split``), invisibly to callers: its head (part 0) is at the
-key and is written last. Data travels on ``resp.RespConnection``s (``connections`` per
+and layout fingerprint the header must carry, and the header's MAC tag (``mac``, keyed from
+``config.mac_key``) authenticates key, header and payload. A payload over ``chunk_bytes`` is
+split into parts, one Redis value each (``split``), invisibly to callers: its head (part 0)
+is at the key and is written last. Data travels on ``resp.RespConnection``s (``connections`` per
 node), control (slot map, ``SCAN``) through redis-py.
 
 Failure contract: a server that is down, slow or behind an open breaker makes ``get_many``
 return ``None`` and ``put_many`` return ``False`` for the affected keys — counted, logged at
 most per state change, never raised. A stored value failing any check is a miss and is
-deleted. Misuse raises ``BadKey`` / ``ValueTooLarge`` / ``ValueError`` before any I/O.
+deleted (a tag that does not verify is also counted as ``num_mac_failures``). Misuse raises
+``BadKey`` / ``ValueTooLarge`` / ``ValueError`` before any I/O.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from remote_tier.buffers import BufferPool
 from remote_tier.config import RemoteTierConfig
 from remote_tier.errors import CorruptValue
 from remote_tier.keys import KeyParts, is_part_key, parse_key, part_key, raw_key, scan_pattern
+from remote_tier.mac import Mac, user_secret
 from remote_tier.reads import ReadBatch
 from remote_tier.router import Router
 from remote_tier.stats import Counters, RemoteTierStats
@@ -42,13 +45,23 @@ class RedisTier:
     ``tier = await RedisTier.connect(config)`` … ``await tier.aclose()``.
 
     One event loop owns a tier; its bookkeeping takes no locks (there is no thread to race).
-    ``clock`` drives the circuit breakers (tests inject a fake one).
+    ``clock`` drives the circuit breakers (tests inject a fake one). ``mac`` signs and
+    verifies values: by default keyed from ``config.mac_key`` (or this user's key file);
+    ``tierstore bench mac`` passes another to measure the MAC's cost. Raises
+    ``mac.MacKeyError`` when the user's key file is needed and cannot be made or read.
     """
 
     def __init__(
-        self, config: RemoteTierConfig, *, clock: Callable[[], float] = time.monotonic
+        self,
+        config: RemoteTierConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        mac: Mac | None = None,
     ) -> None:
         self.config = config
+        if mac is None:
+            mac = Mac(user_secret() if config.mac_key is None else config.mac_key)
+        self.mac = mac
         self._counters = Counters()
         self._router = Router(config, self._counters, clock=clock)
         self._writer = Writer(self._router, self._counters, config)
@@ -114,7 +127,9 @@ class RedisTier:
         batch = SetBatch(() if self._ttl_ms is None else ("PX", self._ttl_ms))
         for key, data in items:  # validate the whole batch before any I/O
             payload = wire.as_bytes_view(data)
-            batch.add(split.values_of(key, parse_key(prefix, key), payload, self.config))
+            batch.add(
+                split.values_of(key, parse_key(prefix, key), payload, self.config, self.mac)
+            )
         ok = [False] * len(items)
         if items and await self._router.ensure_topology():
             ok = await self._writer.put(batch)
@@ -153,6 +168,7 @@ class RedisTier:
             chunk_bytes=chunk,
             buffers=self._buffers,
             counters=c,
+            mac=self.mac,
         )
         if outs:  # the sizes to expect are known: size the batches by them
             router.note_values(len(reads.fetch), sum(len(o) for o in outs))

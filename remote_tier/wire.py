@@ -1,63 +1,64 @@
 """The stored value: a small msgpack header followed by the raw payload bytes.
 
-A whole value (format 3) has the header ``[3, kind, layout_fp, payload_len, checksum]`` where
-``checksum`` is the 8-byte big-endian xxh3-64 digest of the *binding* — the full Redis key,
-the layout fingerprint and the payload length, each length-prefixed — followed by the
-payload. A value copied under another key therefore fails its check there and is never served
-as that key's bytes. It is packed as ``bin 8`` so the header's size depends only on ``(kind,
-layout_fp, payload_len)`` — a reader that knows those can receive the payload straight into
-its own buffer (``header_size``).
+A whole value (format 5) has the header ``[5, kind, layout_fp, payload_len, tag]`` where
+``tag`` is the 16-byte keyed MAC (``mac.Mac``, BLAKE3 keyed with the deployment's secret) of
+the payload under the full Redis key and the *binding* ``[version, kind, layout_fp,
+payload_len, num_parts]``, followed by the payload. Only a holder of the secret can make a
+value that verifies; a value copied under another key fails there. The tag is packed as
+``bin 8`` so the header's size depends only on ``(kind, layout_fp, payload_len)`` — a reader
+that knows those can receive the payload straight into its own buffer (``header_size``).
 
-A payload split into ``num_parts`` parts (format 4, ``num_parts`` >= 2) is stored as one value
-per part, each with the header ``[4, kind, layout_fp, total_len, checksum, index, num_parts]``
-(``total_len`` and ``checksum`` of the whole payload, bound to the head's key) followed by
-that part's bytes: part
-``index`` is ``payload[part_span(total_len, num_parts, index)]`` — parts of ``ceil(total_len /
-num_parts)`` bytes, the last one the remainder. Its header size depends only on ``(kind,
-layout_fp, total_len, index, num_parts)`` (``part_header_size``).
+A payload split into ``num_parts`` parts (format 6, ``num_parts`` >= 2) is stored as one value
+per part, each with the header ``[6, kind, layout_fp, total_len, tag, index, num_parts]``
+(``total_len`` and ``tag`` of the whole payload, bound to the head's key) followed by that
+part's bytes: part ``index`` is ``payload[part_span(total_len, num_parts, index)]`` — parts of
+``ceil(total_len / num_parts)`` bytes, the last one the remainder. Its header size depends
+only on ``(kind, layout_fp, total_len, index, num_parts)`` (``part_header_size``).
 
-Formats 1 and 2 (checksums over the payload alone) are no longer accepted: a reader raises
-``OldFormat`` (a ``CorruptValue``), so such values read as misses and are deleted.
+Formats 1 to 4 (unkeyed checksums: xxh3 over the payload, then over key and payload) are no
+longer accepted: a reader raises ``OldFormat`` (a ``CorruptValue``), so such values read as
+misses and are deleted. A tag that does not verify raises ``BadTag`` (also a
+``CorruptValue``).
 
-Nothing here copies a payload: ``encode_header`` reads it once for the checksum, and
-``decode`` returns a ``memoryview`` slice of the value it was given.
-
-xxh3 is not a MAC: whoever can write to Redis can forge a value that passes (see the README's
-security model). The binding stops values being served under a key they were not written at.
+Nothing here copies a payload: ``encode_header`` reads it once for the tag, and ``decode``
+returns a ``memoryview`` slice of the value it was given.
 """
 
 from __future__ import annotations
 
-import struct
 from typing import TYPE_CHECKING, NamedTuple
 
 import msgpack
-import xxhash
 
 from remote_tier.errors import CorruptValue, OldFormat
+from remote_tier.mac import TAG_BYTES, Mac
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-FORMAT_VERSION = 3
-SPLIT_FORMAT_VERSION = 4
-OLD_VERSIONS = (1, 2)  # payload-only checksums, before key binding
+FORMAT_VERSION = 5
+SPLIT_FORMAT_VERSION = 6
+OLD_VERSIONS = (1, 2, 3, 4)  # unkeyed checksums (before the MAC)
 MAX_HEADER_BYTES = 256
-CHECKSUM_BYTES = 8
 MAX_PARTS = 4096
 
 _NUM_FIELDS = {FORMAT_VERSION: 5, SPLIT_FORMAT_VERSION: 7}
 
 
+class BadTag(CorruptValue):
+    """A value whose MAC tag does not verify: damaged, forged, written under another key, or
+    written with another deployment's secret."""
+
+
 class Header(NamedTuple):
-    """A decoded value header; ``payload_len`` and ``checksum`` are the whole payload's (of
-    every part together, for a split value), ``part`` is the ``index`` field (0 when whole)."""
+    """A decoded value header; ``payload_len`` and ``tag`` are the whole payload's (of every
+    part together, for a split value), ``part`` is the ``index`` field (0 when whole)."""
 
     version: int
     kind: str
     layout_fp: str
     payload_len: int
-    checksum: bytes
+    tag: bytes
     part: int = 0
     num_parts: int = 1
 
@@ -72,21 +73,24 @@ def as_bytes_view(data: Buffer) -> memoryview:
     return view
 
 
-def checksum(key_b: bytes, layout_fp: str, payload: Buffer) -> bytes:
-    """The xxh3-64 digest binding ``payload`` to the Redis key ``key_b`` (a split value's
-    head key) and ``layout_fp``: ``len|key|len|fp|payload_len|payload``."""
-    fp_b = layout_fp.encode()
+def binding(kind: str, layout_fp: str, payload_len: int, num_parts: int = 1) -> bytes:
+    """The header fields a tag binds besides key and payload: those every part shares."""
+    version = FORMAT_VERSION if num_parts == 1 else SPLIT_FORMAT_VERSION
+    return msgpack.packb([version, kind, layout_fp, payload_len, num_parts])
+
+
+def tag(mac: Mac, key_b: bytes, kind: str, layout_fp: str, payload: Buffer,
+        num_parts: int = 1) -> bytes:
+    """The MAC tag of ``payload`` stored at the Redis key ``key_b`` (a split value's head key)
+    in ``num_parts`` parts."""
     view = as_bytes_view(payload)
-    h = xxhash.xxh3_64()
-    h.update(struct.pack(">I", len(key_b)) + key_b + struct.pack(">I", len(fp_b)) + fp_b)
-    h.update(struct.pack(">Q", len(view)))
-    h.update(view)
-    return h.digest()
+    return mac.sign(key_b, binding(kind, layout_fp, len(view), num_parts), view)
 
 
-def encode_header(key_b: bytes, kind: str, layout_fp: str, payload: memoryview) -> bytes:
+def encode_header(mac: Mac, key_b: bytes, kind: str, layout_fp: str, payload: memoryview
+                  ) -> bytes:
     """The header to store in front of ``payload`` at the Redis key ``key_b``."""
-    digest = checksum(key_b, layout_fp, payload)
+    digest = tag(mac, key_b, kind, layout_fp, payload)
     return msgpack.packb(
         [FORMAT_VERSION, kind, layout_fp, len(payload), digest], use_bin_type=True
     )
@@ -96,7 +100,7 @@ def header_size(kind: str, layout_fp: str, payload_len: int) -> int:
     """Bytes of the header of a ``payload_len``-byte payload with this kind and fingerprint."""
     return len(
         msgpack.packb(
-            [FORMAT_VERSION, kind, layout_fp, payload_len, bytes(CHECKSUM_BYTES)],
+            [FORMAT_VERSION, kind, layout_fp, payload_len, bytes(TAG_BYTES)],
             use_bin_type=True,
         )
     )
@@ -106,7 +110,7 @@ def encode_part_header(
     kind: str, layout_fp: str, total_len: int, digest: bytes, index: int, num_parts: int
 ) -> bytes:
     """The header to store in front of part ``index`` of a split payload (``digest``: the
-    whole payload's checksum)."""
+    whole payload's tag, ``tag(..., num_parts)``)."""
     fields = [SPLIT_FORMAT_VERSION, kind, layout_fp, total_len, digest, index, num_parts]
     return msgpack.packb(fields, use_bin_type=True)
 
@@ -114,7 +118,7 @@ def encode_part_header(
 def part_header_size(kind: str, layout_fp: str, total_len: int, index: int, num_parts: int) -> int:
     """Bytes of the header of part ``index`` of a split payload."""
     return len(
-        encode_part_header(kind, layout_fp, total_len, bytes(CHECKSUM_BYTES), index, num_parts)
+        encode_part_header(kind, layout_fp, total_len, bytes(TAG_BYTES), index, num_parts)
     )
 
 
@@ -146,7 +150,7 @@ def read_header(value: memoryview) -> tuple[Header, int]:
     version = fields[0]
     want = _NUM_FIELDS.get(version) if _is_count(version) else None
     if version in OLD_VERSIONS and _is_count(version):
-        raise OldFormat(f"format version {version} (before key binding)")
+        raise OldFormat(f"format version {version} (an unkeyed checksum, before the MAC)")
     if want is None:
         raise CorruptValue(
             f"format version {version!r}, expected {FORMAT_VERSION} or {SPLIT_FORMAT_VERSION}"
@@ -158,8 +162,8 @@ def read_header(value: memoryview) -> tuple[Header, int]:
         raise CorruptValue("header kind/layout_fp are not strings")
     if not _is_count(payload_len):
         raise CorruptValue(f"bad payload length {payload_len!r}")
-    if not isinstance(digest, bytes) or len(digest) != CHECKSUM_BYTES:
-        raise CorruptValue("bad checksum field")
+    if not isinstance(digest, bytes) or len(digest) != TAG_BYTES:
+        raise CorruptValue("bad tag field")
     if not split:
         return Header(version, kind, layout_fp, payload_len, digest), size
     index, parts = split
@@ -178,10 +182,10 @@ def _is_count(value: object) -> bool:
 
 
 def verify(
-    header: Header, payload: memoryview, *, key_b: bytes, kind: str, layout_fp: str
+    mac: Mac, header: Header, payload: memoryview, *, key_b: bytes, kind: str, layout_fp: str
 ) -> None:
-    """Check a whole value's header against what its key ``key_b`` promises and its checksum
-    against the key and payload."""
+    """Check a whole value's header against what its key ``key_b`` promises and its tag
+    against the key, header and payload (``BadTag``)."""
     if header.version != FORMAT_VERSION:
         raise CorruptValue(f"part {header.part} of {header.num_parts}, not a whole value")
     if header.kind != kind:
@@ -190,21 +194,21 @@ def verify(
         raise CorruptValue(f"layout fingerprint {header.layout_fp!r}, key says {layout_fp!r}")
     if header.payload_len != len(payload):
         raise CorruptValue(f"payload is {len(payload)} bytes, header says {header.payload_len}")
-    if checksum(key_b, layout_fp, payload) != header.checksum:
-        raise CorruptValue("checksum mismatch (payload, or a value stored under another key)")
+    if not mac.verify(key_b, binding(kind, layout_fp, len(payload)), payload, header.tag):
+        raise BadTag("MAC mismatch (damaged, forged, another key's value, or another secret)")
 
 
-def decode(value: Buffer, *, key_b: bytes, kind: str, layout_fp: str) -> memoryview:
+def decode(mac: Mac, value: Buffer, *, key_b: bytes, kind: str, layout_fp: str) -> memoryview:
     """The payload of the value stored at ``key_b`` (a view into it), after every check."""
     view = as_bytes_view(value)
     header, size = read_header(view)
     payload = view[size:]
-    verify(header, payload, key_b=key_b, kind=kind, layout_fp=layout_fp)
+    verify(mac, header, payload, key_b=key_b, kind=kind, layout_fp=layout_fp)
     return payload
 
 
-def encode(key_b: bytes, kind: str, layout_fp: str, payload: Buffer) -> bytes:
+def encode(mac: Mac, key_b: bytes, kind: str, layout_fp: str, payload: Buffer) -> bytes:
     """The whole value to store at ``key_b`` as one ``bytes`` (tests and tools; the store
     sends header and payload separately and never joins them)."""
     view = as_bytes_view(payload)
-    return encode_header(key_b, kind, layout_fp, view) + view.tobytes()
+    return encode_header(mac, key_b, kind, layout_fp, view) + view.tobytes()

@@ -17,6 +17,7 @@ from collections.abc import Coroutine, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 from remote_tier import RedisTier, RemoteTierConfig, RemoteTierError, envelope_key
+from tierstore.settings import mac_secret
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -31,9 +32,15 @@ class Probe(NamedTuple):
 
 
 class RemoteBridge:
-    """L3 for one model layout: envelope keys ``{prefix}:{layout_fp}:{page_key}:{kind}``."""
+    """L3 for one model layout: envelope keys ``{prefix}:{layout_fp}:{page_key}:{kind}``.
+
+    Values are authenticated with ``config.mac_key``, or when it is None with the secret
+    ``settings.mac_secret`` finds (``TIERSTORE_MAC_KEY_FILE``, ``TIERSTORE_MAC_KEY``, else
+    this user's key file); a bad one raises ``MacKeyError`` here, before any I/O."""
 
     def __init__(self, config: RemoteTierConfig, layout_fingerprint: str) -> None:
+        if config.mac_key is None:
+            config = dataclasses.replace(config, mac_key=mac_secret())
         self.config = config
         self.layout_fp = layout_fingerprint
         self.failures = 0  # calls that timed out or failed (each is also a miss)

@@ -15,6 +15,7 @@ from remote_tier import split, wire
 from remote_tier.config import RemoteTierConfig
 from remote_tier.errors import ValueTooLarge
 from remote_tier.keys import KeyParts, envelope_key, part_key
+from remote_tier.mac import Mac
 from remote_tier.store import RedisTier
 from remote_tier.writes import SetBatch
 from tierstore.testing.redis_server import RedisServer
@@ -86,7 +87,7 @@ async def test_part_sizes_headers_and_ttl(server: RedisServer) -> None:
     for i, key in enumerate(keys):
         value = memoryview(client.get(key))
         header, size = wire.read_header(value)
-        digest = wire.checksum(_key(1).encode(), "fp1", payload)
+        digest = wire.tag(tier.mac, _key(1).encode(), "kv", "fp1", payload, 4)
         version = wire.SPLIT_FORMAT_VERSION
         assert header == wire.Header(version, "kv", "fp1", len(payload), digest, i, 4)
         assert size == wire.part_header_size("kv", "fp1", len(payload), i, 4)
@@ -98,7 +99,8 @@ def test_parts_reference_the_payload_never_copy_it() -> None:
     payload = bytearray(os.urandom(3 * C + 1))
     config = RemoteTierConfig(key_prefix="t", chunk_bytes=C)
     batch = SetBatch(())
-    batch.add(split.values_of(_key(1), KeyParts("kv", "fp1"), memoryview(payload), config))
+    mac = Mac(b"split-test-secret-" * 2)
+    batch.add(split.values_of(_key(1), KeyParts("kv", "fp1"), memoryview(payload), config, mac))
     assert batch.keys_b == _parts(_key(1), len(payload))[1:] + [_key(1).encode()]
     assert batch.heads == [3] and batch.payload_sizes == [len(payload)]
     for command in batch.commands:

@@ -17,6 +17,7 @@ from remote_tier import wire
 from remote_tier.config import RemoteTierConfig
 from remote_tier.errors import BadKey, ValueTooLarge
 from remote_tier.keys import envelope_key
+from remote_tier.mac import Mac
 from remote_tier.store import RedisTier
 from tierstore.testing.redis_server import RedisServer
 
@@ -178,25 +179,26 @@ async def test_misuse_raises_named_errors(tier: RedisTier) -> None:
         await tier.exists_prefix(["nope"])
 
 
-def _corruptions(payload: bytes, key: str) -> dict[str, bytes]:
+def _corruptions(mac: Mac, payload: bytes, key: str) -> dict[str, bytes]:
     key_b = key.encode()
-    good = wire.encode(key_b, "kv", "fp1", payload)
+    good = wire.encode(mac, key_b, "kv", "fp1", payload)
     size = wire.header_size("kv", "fp1", len(payload))
     flipped = bytearray(good)
     flipped[-1] ^= 0xFF
-    digest = wire.checksum(key_b, "fp1", payload)
+    digest = wire.tag(mac, key_b, "kv", "fp1", payload)
     return {
         "garbage_header": b"\xc1\xc1" + good[2:],
         "truncated_header": good[:3],
         "truncated_payload": good[:-7],
         "extra_bytes": good + b"!",
         "bad_checksum": bytes(flipped),
-        "wrong_layout_fp": wire.encode(key_b, "kv", "fp2", payload),
-        "wrong_kind": wire.encode(key_b, "swa", "fp1", payload),
+        "wrong_layout_fp": wire.encode(mac, key_b, "kv", "fp2", payload),
+        "wrong_kind": wire.encode(mac, key_b, "swa", "fp1", payload),
         "wrong_version": msgpack.packb([9, "kv", "fp1", len(payload), digest]) + payload,
         "empty": b"",
         "header_only": good[:size],
-        "another_keys_value": wire.encode(b"t:fp1:00000000000000ff:kv", "kv", "fp1", payload),
+        "another_keys_value": wire.encode(mac, b"t:fp1:00000000000000ff:kv", "kv", "fp1",
+                                          payload),
     }
 
 
@@ -205,11 +207,11 @@ async def test_corrupt_values_are_misses_and_deleted(
     tier: RedisTier, server: RedisServer, into: bool
 ) -> None:
     payload = os.urandom(300_000)
-    names = list(_corruptions(b"", _key(0)))
+    names = list(_corruptions(tier.mac, b"", _key(0)))
     keys = [_key(i) for i in range(len(names))]
     client = _sync(server)
     for key, name in zip(keys, names, strict=True):
-        client.set(key, _corruptions(payload, key)[name])
+        client.set(key, _corruptions(tier.mac, payload, key)[name])
     good_key = _key(99)
     await tier.put_many([(good_key, payload)])
     outs = [bytearray(len(payload)) for _ in range(len(keys) + 1)] if into else None
@@ -221,6 +223,7 @@ async def test_corrupt_values_are_misses_and_deleted(
     stats = tier.stats()
     assert stats.num_corrupt_deleted == len(names)
     assert stats.errors["corrupt"] == len(names)
+    assert stats.num_mac_failures == 2  # bad_checksum, another_keys_value
 
 
 @pytest.mark.parametrize("size", [1000, 5 * 4096 + 3])

