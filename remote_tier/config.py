@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 from remote_tier.mac import check_secret
 from remote_tier.wire import MAX_HEADER_BYTES
@@ -13,27 +13,32 @@ from remote_tier.wire import MAX_HEADER_BYTES
 Mode = Literal["standalone", "cluster"]
 
 _PREFIX_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
+_URL_SECRET_RE = re.compile(r"(//[^/@?#]*?:)[^/@?#]*@|([?&]password=)[^&#]*")
 MAX_BULK_BYTES = 512 * 1024 * 1024  # Redis' default proto-max-bulk-len
 
 
 @dataclass(frozen=True)
 class Endpoint:
-    """Where and how to connect: parsed from ``RemoteTierConfig.url``."""
+    """Where and how to connect: parsed from ``RemoteTierConfig.url``. ``path`` is a unix
+    socket's (``host`` is then that path and ``port`` 0)."""
 
     host: str
     port: int
     db: int
     username: str | None
-    password: str | None
+    password: str | None = field(default=None, repr=False)
+    path: str | None = None
 
 
 @dataclass(frozen=True)
 class RemoteTierConfig:
     """Configuration of one ``RedisTier``.
 
-    ``url`` is ``redis://[user:password@]host[:port][/db]``; in cluster mode it names any one
-    node (a startup node) and ``db`` must be 0. TLS (``rediss://``) and unix sockets are not
-    supported by the data path. ``op_timeout_s`` bounds a connect and, per connection, how
+    ``url`` is ``redis://[user:password@]host[:port][/db]`` or, for a unix socket (standalone
+    only), ``unix://[user:password@]/path/to.sock[?db=N&password=P]``; in cluster mode it names
+    any one node (a startup node) and ``db`` must be 0. TLS (``rediss://``) is not supported by
+    the data path. The password never appears in ``repr``, logs or errors
+    (``redacted_url``). ``op_timeout_s`` bounds a connect and, per connection, how
     long a request may make no progress (so a 4 MiB transfer is not cut short, but a silent
     server is). ``connections`` is per node. ``pipeline_bytes`` bounds the SET payload bytes in
     flight on one connection (a larger value travels alone, which Redis handles fastest).
@@ -80,6 +85,8 @@ class RemoteTierConfig:
             check_secret(self.mac_key)
         if self.mode not in ("standalone", "cluster"):
             raise ValueError(f"mode must be 'standalone' or 'cluster', got {self.mode!r}")
+        if self.mode == "cluster" and self.endpoint().path is not None:
+            raise ValueError("a redis cluster is reached over TCP, not a unix socket")
         if self.mode == "cluster" and self.endpoint().db != 0:
             raise ValueError(f"redis cluster has only db 0, url selects db {self.endpoint().db}")
         if not _PREFIX_RE.fullmatch(self.key_prefix):
@@ -117,17 +124,32 @@ class RemoteTierConfig:
                 f"{self.breaker_cooldown_s} and {self.breaker_max_cooldown_s}"
             )
 
+    def __repr__(self) -> str:
+        shown = (f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.repr)
+        return f"RemoteTierConfig({', '.join(shown)})".replace(
+            repr(self.url), repr(self.redacted_url), 1)
+
+    @property
+    def redacted_url(self) -> str:
+        """``url`` with its password replaced by ``***`` (for logs and errors)."""
+        return redact_url(self.url)
+
     def endpoint(self) -> Endpoint:
-        """The host, port, db and credentials named by ``url``."""
+        """The host (or socket path), port, db and credentials named by ``url``."""
+        shown = self.redacted_url
         parts = urlsplit(self.url)
+        if parts.scheme == "unix":
+            if parts.hostname:
+                raise ValueError(f"unix url takes a path, not a host: {shown!r}")
+            return _unix_endpoint(parts.path, parts.query, parts.username, parts.password, shown)
         if parts.scheme != "redis":
-            raise ValueError(f"url scheme must be redis:// (no TLS/unix), got {self.url!r}")
+            raise ValueError(f"url scheme must be redis:// or unix:// (no TLS), got {shown!r}")
         try:
             port = parts.port or 6379
-        except ValueError as exc:
-            raise ValueError(f"url has a bad port: {self.url!r}") from exc
+        except ValueError:
+            raise ValueError(f"url has a bad port: {shown!r}") from None
         if not parts.hostname:
-            raise ValueError(f"url has no host: {self.url!r}")
+            raise ValueError(f"url has no host: {shown!r}")
         path = parts.path.strip("/")
         if path and not path.isdigit():
             raise ValueError(f"url path must be a db number, got {path!r}")
@@ -138,3 +160,32 @@ class RemoteTierConfig:
             username=unquote(parts.username) if parts.username else None,
             password=unquote(parts.password) if parts.password else None,
         )
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any password (``user:password@``, ``?password=``) replaced by ``***``."""
+    return _URL_SECRET_RE.sub(
+        lambda m: f"{m[1]}***@" if m[1] is not None else f"{m[2]}***", url)
+
+
+def _unix_endpoint(path: str, query: str, username: str | None, password: str | None,
+                   shown: str) -> Endpoint:
+    """A ``unix:///path?db=N&password=P&username=U`` URL's endpoint (credentials may also
+    come as ``unix://user:password@/path``)."""
+    if not path.startswith("/"):
+        raise ValueError(f"unix url needs an absolute socket path, got {shown!r}")
+    try:
+        params = parse_qs(query, strict_parsing=bool(query), max_num_fields=8)
+    except ValueError:
+        raise ValueError(f"unix url has a bad query: {shown!r}") from None
+    if unknown := set(params) - {"db", "password", "username"}:
+        raise ValueError(f"unix url has unknown parameters {sorted(unknown)}: {shown!r}")
+    if any(len(v) > 1 for v in params.values()):
+        raise ValueError(f"unix url repeats a parameter: {shown!r}")
+    db = params.get("db", ["0"])[0]
+    if not db.isdigit():
+        raise ValueError(f"unix url db must be a number, got {db!r}")
+    password = params.get("password", [unquote(password) if password else ""])[0]
+    username = params.get("username", [unquote(username) if username else ""])[0]
+    return Endpoint(host=path, port=0, db=int(db), username=username or None,
+                    password=password or None, path=path)

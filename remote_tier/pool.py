@@ -24,7 +24,8 @@ def _retrieve(task: asyncio.Task[RespConnection]) -> None:
 
 
 class NodePool:
-    """Up to ``config.connections`` connections to ``host:port``, opened lazily and checked
+    """Up to ``config.connections`` connections to ``host:port`` (or to the endpoint's unix
+    socket, ``host`` being its path and ``port`` 0), opened lazily and checked
     out by one batch at a time (``checkout`` / ``release``, released on ``BaseException``).
 
     A failed connection is replaced at its next checkout. Opening runs in a task awaited
@@ -129,6 +130,7 @@ class NodePool:
                 username=ep.username,
                 password=ep.password,
                 db=ep.db,
+                path=ep.path,
             )
         except BaseException:
             self._slots[i] = None

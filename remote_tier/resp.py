@@ -89,7 +89,8 @@ def _encode(commands: Sequence[Sequence[Arg]]) -> list[Part]:
 
 
 class RespConnection(asyncio.BufferedProtocol):
-    """One TCP connection to one Redis server. Open with ``await RespConnection.open(...)``."""
+    """One connection (TCP or unix socket) to one Redis server. Open with
+    ``await RespConnection.open(...)``."""
 
     def __init__(self, timeout_s: float) -> None:
         self._timeout_s = timeout_s
@@ -124,17 +125,23 @@ class RespConnection(asyncio.BufferedProtocol):
         username: str | None = None,
         password: str | None = None,
         db: int = 0,
+        path: str | None = None,
     ) -> RespConnection:
-        """Connect, authenticate and select ``db``; ``RemoteUnavailable`` on any failure."""
+        """Connect (to the unix socket ``path`` when given, else ``host:port``), authenticate
+        and select ``db``; ``RemoteUnavailable`` on any failure (never naming the password)."""
         loop = asyncio.get_running_loop()
+        where = path if path is not None else f"{host}:{port}"
         try:
-            _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: cls(timeout_s), host, port), timeout_s
+            connect = (
+                loop.create_unix_connection(lambda: cls(timeout_s), path)
+                if path is not None
+                else loop.create_connection(lambda: cls(timeout_s), host, port)
             )
+            _, conn = await asyncio.wait_for(connect, timeout_s)
         except (OSError, asyncio.TimeoutError) as exc:
             if isinstance(exc, asyncio.TimeoutError):
-                raise RemoteUnavailable("timeout", f"connect to {host}:{port}") from None
-            raise RemoteUnavailable("connection", f"{host}:{port}: {exc}") from None
+                raise RemoteUnavailable("timeout", f"connect to {where}") from None
+            raise RemoteUnavailable("connection", f"{where}: {exc}") from None
         try:
             setup: list[Sequence[Arg]] = []
             if password is not None:
@@ -144,7 +151,7 @@ class RespConnection(asyncio.BufferedProtocol):
             if setup:
                 for reply in await asyncio.gather(*conn.send(setup)):
                     if isinstance(reply, ServerError):
-                        raise RemoteUnavailable("auth", f"{host}:{port}: {reply}")
+                        raise RemoteUnavailable("auth", f"{where}: {reply}")
         except BaseException:
             conn.abort()
             raise
@@ -210,7 +217,10 @@ class RespConnection(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport), "RESP needs a stream transport"
         self._transport = transport
-        self._sock = transport.get_extra_info("socket")
+        sock = transport.get_extra_info("socket")
+        # TCP_CORK only applies to TCP; a unix socket sends each write whole anyway.
+        tcp = sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6)
+        self._sock = sock if tcp else None
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._fail(RemoteUnavailable("connection", f"connection lost: {exc or 'closed by peer'}"))

@@ -25,7 +25,8 @@ Address = tuple[str, int]
 
 
 class StandaloneTopology:
-    """A single Redis server: every key lives at the URL's host and port."""
+    """A single Redis server: every key lives at the URL's host and port (or unix socket:
+    the address is then ``(path, 0)``)."""
 
     is_cluster = False
 
@@ -35,6 +36,7 @@ class StandaloneTopology:
         self._client = aredis.Redis(
             host=ep.host,
             port=ep.port,
+            unix_socket_path=ep.path,  # None: TCP
             db=ep.db,
             username=ep.username,
             password=ep.password,

@@ -16,7 +16,7 @@ from tierstore.layout import load_preset
 from tierstore.replay.blocks import block_tokens, request_tokens
 from tierstore.replay.driver import Replay
 from tierstore.replay.experiment import Setup, Size, prefix_ideal, resolve_split, run
-from tierstore.replay.scaled import auto_factor, payload, scale_layout
+from tierstore.replay.scaled import payload
 from tierstore.replay.targets import (
     BASELINES,
     Capacities,
@@ -30,6 +30,7 @@ from tierstore.replay.trace import (
     parse_trace,
     working_set,
 )
+from tierstore.scaling import auto_factor, scale_layout
 from tierstore.testing.redis_server import RedisUnavailableError, redis_binary
 
 QWEN = "qwen3-next-80b-a3b"
@@ -254,7 +255,7 @@ def test_service_mode_replays_through_http_and_verifies() -> None:
     from tierstore.layout import load_preset
     from tierstore.replay.experiment import Setup
     from tierstore.replay.experiment import run as run_experiment
-    from tierstore.replay.scaled import scale_layout
+    from tierstore.scaling import scale_layout
     from tierstore.store import TierStore
     from tierstore.testing.service import RunningService
 

@@ -19,18 +19,18 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from remote_tier.embedded import RedisUnavailableError, find_server
 from tierstore.bench import arena as arena_bench
 from tierstore.bench import retention as retention_bench
 from tierstore.client import Client, ServiceError
 from tierstore.config import StoreConfig
 from tierstore.layout import ModelLayout
+from tierstore.reference_model import ReferenceModel, tiny_layout
+from tierstore.service.running import RunningService, free_port
 from tierstore.service.server import add_arguments as serve_arguments
 from tierstore.service.server import build
 from tierstore.settings import environment
 from tierstore.store import TierStore
-from tierstore.testing.redis_server import RedisUnavailableError, find_server
-from tierstore.testing.reference_model import ReferenceModel, tiny_layout
-from tierstore.testing.service import RunningService, free_port
 
 # GPT-OSS-20B's envelopes (full attention + sliding window), 16-token pages of 384 KiB each;
 # L1 and L2 are small so that the chats spill through every tier within seconds.

@@ -50,7 +50,7 @@ class RemoteBridge:
         self._thread.start()
         self._tier = RedisTier(config)
         self._run(self._tier.start(), None)  # a down server is retried on later calls
-        log.info("L3 on %s (%s), prefix %r", config.url, config.mode, config.key_prefix)
+        log.info("L3 on %s (%s), prefix %r", config.redacted_url, config.mode, config.key_prefix)
 
     def key(self, page_key: bytes, kind: str) -> str:
         """The Redis key of one envelope of a page (``kind``: kv, swa, state)."""

@@ -24,7 +24,9 @@ def test_defaults_and_endpoint() -> None:
     ("kwargs", "match"),
     [
         ({"url": "rediss://h:1"}, "scheme"),
-        ({"url": "unix:///tmp/r.sock"}, "scheme"),
+        ({"url": "http://h:1"}, "scheme"),
+        ({"url": "unix://h/tmp/r.sock"}, "not a host"),
+        ({"url": "unix:///tmp/r.sock?x=1"}, "unknown parameters"),
         ({"url": "redis://:1"}, "no host"),
         ({"url": "redis://h:1/x"}, "db number"),
         ({"mode": "sentinel"}, "mode"),

@@ -28,8 +28,8 @@ from tierstore.layout import preset_names
 from tierstore.replay.experiment import Setup, Size
 from tierstore.replay.experiment import run as run_experiment
 from tierstore.replay.report import CostModel
-from tierstore.replay.scaled import parse_scale
 from tierstore.replay.trace import default_trace
+from tierstore.scaling import parse_scale
 
 
 def _split(text: str) -> dict[str, float] | None:

@@ -35,10 +35,10 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from remote_tier.embedded import RedisServer, free_port
 from tierstore.bench._util import table
 from tierstore.client import AsyncClient, ServiceError
-from tierstore.testing.redis_server import RedisServer, free_port
-from tierstore.testing.reference_model import CONFIG
+from tierstore.reference_model import CONFIG
 
 TOKEN = "soak-token"
 PAGE = 16
@@ -324,7 +324,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 async def _soak(args: argparse.Namespace, redis: RedisServer, service: ServiceProcess
                 ) -> dict[str, Any]:
-    from tierstore.testing.reference_model import tiny_layout
+    from tierstore.reference_model import tiny_layout
 
     units = {k: e.nbytes for k, e in tiny_layout(PAGE).envelopes().items()}
     tally, abuse = Tally(), Counter[str]()

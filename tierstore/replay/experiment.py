@@ -3,7 +3,7 @@
 Sizes are real bytes (``40GiB``, ``512MiB``, ``1.5TB``, a plain integer) or fractions of the
 trace's working set (``5%``) — what an infinite cache holds after the trace at the model's real
 envelope sizes (:func:`~tierstore.replay.trace.working_set`). An L3 of 100% or more is
-unbounded. Everything runs at scale (:mod:`~tierstore.replay.scaled`): capacities are
+unbounded. Everything runs at scale (:mod:`~tierstore.scaling`): capacities are
 multiplied by the scale factor, figures divided by it.
 
 The fixed split (configuration b) gives each kind a fixed share of the GPU bytes. ``auto``
@@ -28,7 +28,6 @@ from tierstore.layout import load_preset
 from tierstore.replay.driver import Replay
 from tierstore.replay.plot import write_html
 from tierstore.replay.report import CostModel, cumulative, summarize, windowed
-from tierstore.replay.scaled import auto_factor, scale_layout
 from tierstore.replay.service import ServiceTarget
 from tierstore.replay.targets import BASELINES, Capacities, ReplayTarget, open_target
 from tierstore.replay.trace import (
@@ -38,6 +37,7 @@ from tierstore.replay.trace import (
     page_identities,
     working_set,
 )
+from tierstore.scaling import auto_factor, scale_layout
 
 _UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9,
           "GB": 10**9, "T": 10**12, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,

@@ -1,4 +1,4 @@
-"""A private ``redis-server`` whose memory limit models a scaled L3 capacity.
+"""A private embedded server whose memory limit models a scaled L3 capacity.
 
 Redis spends memory beyond the envelope bytes (key, value header, allocator size classes,
 dict entry), which matters for small scaled envelopes (a 6 KiB value can take 7 KiB). So the
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tierstore.testing.redis_server import RedisServer
+from remote_tier.embedded import RedisServer
 
 if TYPE_CHECKING:
     from tierstore.store import TierStore
@@ -30,16 +30,18 @@ _SAMPLES = 32  # entries per kind written to measure Redis' memory per entry
 
 
 class BoundedRedis:
-    """One private server on loopback; ``scaled_bytes=None`` leaves it unbounded."""
+    """One private server (unix socket + password, see ``remote_tier.embedded``);
+    ``scaled_bytes=None`` leaves it unbounded."""
 
     def __init__(self, scaled_bytes: int | None) -> None:
         self.scaled_bytes = scaled_bytes
-        self.server = RedisServer().start()
+        self.server = RedisServer(private=True).start()
         self.maxmemory = 0
         self.bytes_per_entry: dict[str, float] = {}
 
     @property
     def url(self) -> str:
+        """The server's URL for ``RemoteTierConfig`` (it carries the password: never log it)."""
         return self.server.url
 
     def info(self, section: str) -> dict[str, str]:
@@ -66,7 +68,8 @@ class BoundedRedis:
             row = torch.zeros(unit, dtype=torch.uint8).numpy()
             before = self.used_memory()
             if not all(remote.put([(k, row) for k in keys])):
-                raise RuntimeError(f"L3 calibration: Redis at {self.url} refused a write")
+                raise RuntimeError(f"L3 calibration: Redis at {self.server.where()} refused "
+                                   f"a write")
             self.bytes_per_entry[kind] = (self.used_memory() - before) / _SAMPLES
             remote.delete(keys)
         entries = {k: self.scaled_bytes * s / store.arena.spec(k).unit_bytes

