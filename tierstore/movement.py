@@ -12,7 +12,7 @@ holds any of it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -50,6 +50,8 @@ class Mover:
         self.kinds = ledger.kinds
         self.page_kinds = tuple(k for k in PAGE_KINDS if k in self.kinds)
         self.prefetch = Prefetcher(self) if remote is not None else None
+        # Told (page keys, tier) of every node dropped from the last tier holding it.
+        self.on_drop: Callable[[list[bytes], int], None] | None = None
 
     # ------------------------------------------------------------------ L1 room
     def make_room(self, demand: Mapping[str, int]) -> bool:
@@ -73,7 +75,7 @@ class Mover:
             self._to_l3(node, Tier.L1)
         freed = self._release(node, Tier.L1)
         self.ledger.evicted_from_l1(freed)
-        self._prune(node)
+        self._prune(node, Tier.L1)
         return freed
 
     def demote_idle(self, cutoff: float) -> int:
@@ -97,7 +99,7 @@ class Mover:
             if self.remote is not None:
                 self._to_l3(leaf, Tier.L2)
             self._release(leaf, Tier.L2)
-            self._prune(leaf)
+            self._prune(leaf, Tier.L2)
         return True
 
     def _to_l2(self, node: Node) -> bool:
@@ -174,13 +176,16 @@ class Mover:
                     self.ledger.drop(kind, ids)
         return {k: len(ids) for k, ids in removed.items() if k in self.kinds}
 
-    def _prune(self, node: Node) -> None:
-        """Drop ``node`` and emptied ancestors once no tier holds anything of them."""
+    def _prune(self, node: Node, tier: int) -> None:
+        """Drop ``node`` and emptied ancestors once no tier holds anything of them (``tier``
+        dropped them last: :attr:`on_drop` hears of their page keys)."""
         n: Node | None = node
         root = self.index.root
         while (n is not None and n is not root and not n.children and n.lock == 0
                and not n.holds_any()):
             parent = n.parent
+            if self.on_drop is not None:
+                self.on_drop(n.keys, tier)
             self.index.remove_leaf(n)
             n = parent
 

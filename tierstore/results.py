@@ -41,6 +41,11 @@ class MatchResult:
     lease: Lease | None
     kv_pages_found: int  # consecutive KV pages present, before the hybrid rule cut
     tiers: dict[str, int] = field(default_factory=dict)  # matched tokens by source tier
+    # The other prompt tokens by reason (tierstore.attribution.REASONS; zeros left out):
+    # sum(tiers.values()) + sum(lost.values()) == len(tokens). ``evicted_from`` splits
+    # lost["evicted"] by the tier that dropped those pages last.
+    lost: dict[str, int] = field(default_factory=dict)
+    evicted_from: dict[str, int] = field(default_factory=dict)
 
 
 class PrefixRead:
@@ -114,6 +119,10 @@ class StoreStats:
     moved_bytes: dict[str, int] = field(default_factory=dict)  # per direction, e.g. l1_to_l2
     host: ArenaStats | None = None
     remote: dict[str, object] | None = None
+    # Prompt tokens by outcome (tierstore.attribution.Attribution.snapshot) and the miss-ratio
+    # curves per tier (tierstore.mrc), when the store keeps them.
+    attribution: dict[str, object] | None = None
+    mrc: dict[str, object] | None = None
 
     @property
     def hit_rate(self) -> float:

@@ -18,6 +18,7 @@ import torch
 from gpu_arena import Arena, Fence, IntegrityError, PoolSpec
 from host_tier import HostTier
 from tierstore import checks
+from tierstore.attribution import Attribution, Explanation, explain, settle
 from tierstore.checks import Blocks
 from tierstore.config import StoreConfig
 from tierstore.errors import LeaseError
@@ -76,6 +77,8 @@ class TierStore:
         self.ledger = Ledger(self.kinds)
         self.mover = Mover(self.arena, self.host, self.remote, self.index, layout, self.ledger,
                            config)
+        self.attribution = Attribution()  # why matches missed; its ghost hears of drops
+        self.mover.on_drop = self.attribution.ghost.add
         retention = config.swa_retention
         if retention == "auto":
             retention = "window" if layout.state is not None else "all"
@@ -117,21 +120,30 @@ class TierStore:
                 prefetch.discover(keys, timeout)
         self.ledger.queried(len(toks))
         tiers: tuple[int, ...] = (1, 2) if best_effort else (1, 2, 3)
+        full = None  # pages the rule allows counting every tier (for attribution)
         if best_effort and prefetch is not None:
-            deeper = self._usable(self.index.walk(keys), (1, 2, 3))[0]
+            full = deeper = self._usable(self.index.walk(keys), (1, 2, 3))[0]
             if deeper > self._usable(self.index.walk(keys), tiers)[0]:
                 prefetch.prefetch(keys, deeper)
+        why: Explanation | None = None
+        plans: list[tuple[int, str]] = []  # (pages planned, promotion status) per try
         for _ in range(4):
             path = self.index.walk(keys)
             pages, found = self._usable(path, tiers)
+            if why is None:  # before promotion splits or prunes what the walk saw
+                why = self._explain(path, keys, pages if full is None else full)
             if pages == 0:
+                plans.append((0, "none"))
                 break
             node = self.index.node_ending_at(_cut(path, pages))
             self.index.lock(node, +1)
             path = self.index.walk(keys[:pages])
             status, sources = self.mover.promote(path, pages, timeout)
+            plans.append((pages, status))
             if status == "ok":
-                return self._hit(node, path, pages, found, sources, priority)
+                return self._hit(node, path, pages, found, sources, priority,
+                                 self._settle(namespace, len(toks), keys, why, plans, pages,
+                                              sources))
             self.index.lock(node, -1)
             if status == "no_room":  # L1 cannot take the lower tiers' part: serve L1 alone
                 tiers = (1,)
@@ -140,10 +152,29 @@ class TierStore:
             # "partial": entries missing in L3 are now marked absent there; plan again
         self.ledger.miss()
         _, found = self._usable(self.index.walk(keys), tiers)
-        return MatchResult(0, 0, _EMPTY, _EMPTY, None, None, found)
+        assert why is not None, "the match loop runs at least once"
+        lost, evicted = self._settle(namespace, len(toks), keys, why, plans, 0, {})
+        return MatchResult(0, 0, _EMPTY, _EMPTY, None, None, found, {}, lost, evicted)
+
+    def _explain(self, path: list[Segment], keys: list[bytes], full: int) -> Explanation:
+        layout = self.layout
+        return explain(path, keys, full, layout.page_size, state=layout.state is not None,
+                       swa=layout.swa is not None, ghost=self.attribution.ghost)
+
+    def _settle(self, namespace: str, n_tokens: int, keys: list[bytes], why: Explanation,
+                plans: list[tuple[int, str]], pages: int, sources: dict[int, int]
+                ) -> tuple[dict[str, int], dict[str, int]]:
+        """Lost tokens by reason (and evicted ones by tier) of a match serving ``pages``;
+        counted in the store's attribution totals."""
+        page = self.layout.page_size
+        lost, evicted = settle(why, plans, pages, page, n_tokens - len(keys) * page)
+        hits = {f"l{t}": n * page for t, n in sources.items()}
+        self.attribution.record(namespace, n_tokens, hits, lost, evicted, why, page)
+        return lost, evicted
 
     def _hit(self, node: Node, path: list[Segment], pages: int, found: int,
-             sources: dict[int, int], priority: int) -> MatchResult:
+             sources: dict[int, int], priority: int,
+             lost: tuple[dict[str, int], dict[str, int]]) -> MatchResult:
         """Build the result of a promoted, locked prefix and count it per tier."""
         self._touch(node, priority, hit=True)
         page = self.layout.page_size
@@ -158,7 +189,7 @@ class TierStore:
         tiers = {f"l{t}": sources[t] * page for t in (1, 2, 3)}
         return MatchResult(pages * page, pages, torch.tensor(kv, dtype=torch.long),
                            torch.tensor(swa, dtype=torch.long), state, Lease(node, self), found,
-                           tiers)
+                           tiers, *lost)
 
     def read_prefix(self, tokens: object, namespace: str = "default") -> PrefixRead:
         """:meth:`match`, then the matched rows pinned for reading (see
@@ -416,7 +447,8 @@ class TierStore:
                           self.config.stop_rule, dict(ledger.hit_tokens),
                           dict(ledger.hit_requests), dict(ledger.moved),
                           self.host.arena.stats() if self.host else None,
-                          self.remote.stats() if self.remote else None)
+                          self.remote.stats() if self.remote else None,
+                          attribution=self.attribution.snapshot())
 
     def check_integrity(self) -> None:
         """Raise IntegrityError if the arena, the index (its eviction queues included) or their
