@@ -400,5 +400,5 @@ def test_the_principals_file_holds_hashes_and_is_validated(tmp_path: Path) -> No
         (tmp_path / "broken.toml").write_text("[tenants\n")
         Principals.load(tmp_path / "broken.toml")
     missing = ServiceConfig(principals=str(tmp_path / "missing.json"), shm=False)
-    with pytest.raises(PrincipalsError, match="missing.json"):  # checked at start
+    with pytest.raises(PrincipalsError, match=r"missing\.json"):  # checked at start
         Service(TierStore(LAYOUT, StoreConfig(capacity_bytes=1 << 20)), missing)

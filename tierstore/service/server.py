@@ -48,9 +48,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the deployment secret L3 values are authenticated with (mode "
                              "0600, >= 32 bytes; or TIERSTORE_MAC_KEY_FILE / TIERSTORE_MAC_KEY). "
                              "Default: this user's key file, $XDG_CONFIG_HOME/tierstore/mac.key")
-    parser.add_argument("--auth-token", default=None,
+    parser.add_argument("--auth-token", default=None, action="append",
                         help="bearer token required on every endpoint but /healthz "
-                             "(or TIERSTORE_AUTH_TOKEN)")
+                             "(or TIERSTORE_AUTH_TOKEN); one only: several principals "
+                             "need --principals")
+    parser.add_argument("--principals", default=None, metavar="PATH",
+                        help="principals file (TOML or JSON): hashed tokens -> tenants with "
+                             "namespaces, quotas and read-only flags (instead of "
+                             "--auth-token; `tierstore principals token` makes a token)")
+    parser.add_argument("--reservation-ttl", type=float, default=5.0,
+                        help="seconds an uncommitted shared-memory reservation lives")
     parser.add_argument("--eviction", choices=["lru", "lfu", "priority"], default="lru")
     parser.add_argument("--write-policy", default="write_back",
                         choices=["write_back", "write_through", "write_through_selective"])
@@ -100,6 +107,11 @@ def _l1_bytes(args: argparse.Namespace, device: str) -> int:
 def build(args: argparse.Namespace, stack: ExitStack) -> tuple[Service, ServiceConfig]:
     """The service for ``args``; a private L3 server, if started, is closed by ``stack``
     (and dies with this process if it is killed)."""
+    tokens = args.auth_token or []
+    if len(tokens) > 1:  # argparse would keep only the last: refuse instead of guessing
+        raise ValueError(f"--auth-token given {len(tokens)} times: one token is one "
+                         f"principal; give several tenants their own tokens in a "
+                         f"--principals file")
     env = environment()
     try:  # before any server starts: a bad key file is refused up front
         mac_key = None if args.no_redis else mac_secret(args.mac_key_file, env)
@@ -127,7 +139,10 @@ def build(args: argparse.Namespace, stack: ExitStack) -> tuple[Service, ServiceC
                          host_capacity_bytes=parse_size(args.l2) // 256 * 256, remote=remote)
     store = TierStore(layout, config)
     service_config = ServiceConfig(host=args.host, port=args.port,
-                                   auth_token=args.auth_token or env.auth_token,
+                                   auth_token=(tokens[0] if tokens else None) or
+                                   (None if args.principals else env.auth_token),
+                                   principals=args.principals,
+                                   reservation_ttl_s=args.reservation_ttl,
                                    max_body_bytes=parse_size(args.max_body),
                                    lease_ttl_s=args.lease_ttl,
                                    kv_host_bytes=parse_size(args.kv_host),
@@ -151,7 +166,11 @@ def serve(args: argparse.Namespace) -> int:
         # machines). Bulk CPU copies use the kernels' own thread pool instead.
         torch.set_num_threads(1)
     with ExitStack() as stack:
-        service, config = build(args, stack)
+        try:
+            service, config = build(args, stack)
+        except ValueError as exc:  # bad flags or principals file: say so, no traceback
+            log.error("tierstore serve: %s", exc)
+            return 2
         log.info("tierstore serving %s on http://%s:%d (dashboard: /dashboard)",
                  service.store.layout.name, config.host, config.port)
         run_guarded(service.app(), config)  # connection cap, header/body/idle timeouts
