@@ -306,7 +306,7 @@ class Arena:
                 unit_bytes=p.unit, anchor=p.anchor, live_blocks=p.num_live,
                 live_bytes=p.num_live * p.unit, hole_bytes=p.num_holes * p.unit,
                 pending_bytes=p.num_pending * p.unit, band_start=p.start, band_end=p.end,
-                moves=p.moves,
+                moves=p.moves, allocated=p.allocated,
             )
             for p in self._pools.values()
         }
@@ -314,7 +314,14 @@ class Arena:
         return ArenaStats(capacity_bytes=self.capacity_bytes, gap_bytes=self.capacity_bytes - used,
                           moves=sum(p.moves for p in self._pools.values()),
                           compactions=self.compactions, pending_fences=len(self._fences),
-                          pools=pools)
+                          pools=pools,
+                          moved_bytes=sum(p.moves * p.unit for p in self._pools.values()),
+                          allocated_bytes=sum(p.allocated * p.unit for p in self._pools.values()))
+
+    def visited_slots(self) -> int:
+        """Slots visited by the arena's scans so far, all pools (for tests and benchmarks:
+        allocation and compaction visit about what they hand out or move, never a band)."""
+        return sum(p.visited for p in self._pools.values())
 
     def check_integrity(self) -> None:
         """Raise IntegrityError if any invariant is broken: tables consistent, every live id in
@@ -376,7 +383,7 @@ class Arena:
         if p.hi == p.lo and p.anchor == "float":  # an empty floating band may start anywhere
             if last_fit - first_fit < need:
                 return None
-            p.lo = p.hi = first_fit + (last_fit - first_fit - need) // 2
+            p.lo = p.hi = self._float_start(first_fit, last_fit, need)
         up = last_fit - p.hi if p.anchor != "high" else 0
         down = p.lo - first_fit if p.anchor != "low" else 0
         if up + down < need or (p.hi - p.lo) + need > p.cap:
@@ -388,6 +395,16 @@ class Arena:
         p.lo -= n_down
         p.hi += n_up
         return torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False))
+
+    def _float_start(self, first_fit: int, last_fit: int, need: int) -> int:
+        """Where an empty floating band starts in the free slots ``[first_fit, last_fit)``:
+        against the end that no pool grows from (so filling the arena moves nothing), else
+        in the middle (a neighbour reaching it slides it by what that neighbour needs)."""
+        if self._low is None:
+            return first_fit
+        if self._high is None:
+            return last_fit - need
+        return first_fit + (last_fit - first_fit - need) // 2
 
     def _plan(self, request: Mapping[str, int]) -> Plan | None:
         return plan(self._low, self._float, self._high, self.capacity_bytes, request)
@@ -404,21 +421,44 @@ class Arena:
         self.compactions += 1
 
     def _relocate(self, p: Pool, lo: int, hi: int) -> None:
-        """Move every live block outside slots ``[lo, hi)`` into free slots inside it."""
-        live = torch.nonzero(p.owner[p.lo : p.hi] >= 0).flatten() + p.lo
-        outside = live[(live < lo) | (live >= hi)]
-        if outside.numel():
-            inside = torch.arange(lo, hi)
-            free = inside[~p.occupied(lo, hi)]
-            if p.anchor == "high":
-                free = free.flip(0)
-            assert free.numel() >= outside.numel(), (
-                f"pool {p.name}: {outside.numel()} blocks to move, {free.numel()} free slots"
-            )
-            self._move(p, outside, free[: outside.numel()])
+        """Move every live block outside slots ``[lo, hi)`` into free slots inside it, and make
+        ``[lo, hi)`` (trimmed) the band. Visits only the slots that leave the band, the gap
+        slots that join it and the holes it fills, so the cost follows the blocks moved (a
+        slide by ``d`` slots moves at most ``d`` blocks), not the band's size."""
+        old_lo, old_hi = p.lo, p.hi
+        leaving = [p.live_in(old_lo, min(lo, old_hi)), p.live_in(max(hi, old_lo), old_hi)]
+        outside = np.concatenate(leaving)
+        k = outside.size
+        if k:
+            dst = self._destinations(p, lo, hi, old_lo, old_hi, k)
+            self._move(p, torch.from_numpy(outside), torch.from_numpy(dst))
         p.lo, p.hi = lo, hi  # every occupied slot is inside now; trim to the occupied hull
         p.trim()
-        p.rebuild_holes()
+        # Gap slots that joined the band and stayed free are holes now.
+        p.add_free_slots(p.lo, min(old_lo, p.hi))
+        p.add_free_slots(max(old_hi, p.lo), p.hi)
+
+    def _destinations(self, p: Pool, lo: int, hi: int, old_lo: int, old_hi: int, k: int
+                      ) -> np.ndarray:
+        """``k`` free slots of ``[lo, hi)`` nearest the anchor: gap slots joining the band
+        (free by the band invariant) and holes of the old band from the hole heap."""
+        below = np.arange(lo, min(old_lo, hi), dtype=np.int64)
+        above = np.arange(max(old_hi, lo), hi, dtype=np.int64)
+        if p.anchor == "high":
+            near, far = above[::-1], below[::-1]
+        else:
+            near, far = below, above
+        parts = [near[:k]]
+        left = k - parts[0].size
+        if left:
+            holes = p.holes_within(max(lo, old_lo), min(hi, old_hi), left)
+            parts.append(np.asarray(holes, dtype=np.int64))
+            left -= len(holes)
+        if left:
+            parts.append(far[:left])
+            left -= parts[-1].size
+        assert left == 0, f"pool {p.name}: {k} blocks to move, {k - left} free slots"
+        return np.concatenate(parts)
 
     def _pack(self, p: Pool, budget: int) -> int:
         """Move up to ``budget`` movable blocks from the inner edge into holes nearer the anchor."""

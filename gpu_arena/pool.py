@@ -50,6 +50,10 @@ class Pool:
         self.num_live = 0
         self.num_pending = 0
         self.moves = 0
+        self.allocated = 0  # blocks ever bound to an id (for moves per allocated block)
+        # Slots visited by scans (band edges, relocation, heap sweeps): tests bound it per
+        # allocation, so no hot path scans the whole band.
+        self.visited = 0
         # Ids whose `loc` entry changed since a device mirror last synced (None: not logging).
         self.changed: list[torch.Tensor] | None = None
         self.num_changed = 0
@@ -88,7 +92,7 @@ class Pool:
         """Every reusable slot of the band, nearest the anchor first (a scan of the band)."""
         if self.num_holes == 0:
             return torch.empty(0, dtype=_LONG)
-        idx = torch.nonzero(~self.occupied(self.lo, self.hi)).flatten() + self.lo
+        idx = torch.from_numpy(np.flatnonzero(~self._occupied_np(self.lo, self.hi)) + self.lo)
         return idx.flip(0) if self.anchor == "high" else idx
 
     def take_holes(self, n: int) -> torch.Tensor:
@@ -98,6 +102,14 @@ class Pool:
         assert n <= self.num_holes, f"pool {self.name}: {n} holes wanted, {self.num_holes} exist"
         if n == 0:
             return torch.empty(0, dtype=_LONG)
+        found = self.holes_within(self.lo, self.hi, n)
+        assert len(found) == n, f"pool {self.name}: hole heap found {len(found)} of {n} holes"
+        return torch.tensor(found, dtype=_LONG)
+
+    def holes_within(self, lo: int, hi: int, n: int) -> list[int]:
+        """Up to ``n`` reusable slots of ``[lo, hi)`` (inside the band) nearest the anchor,
+        taken off the hole heap. Entries met on the way that are stale or outside ``[lo, hi)``
+        are dropped: the caller re-cuts the band to ``[lo, hi)`` or it already is that."""
         heap, sign = self._hole_heap, -1 if self.anchor == "high" else 1
         found: list[int] = []
         seen: set[int] = set()
@@ -108,35 +120,52 @@ class Pool:
                 if slot not in seen:
                     seen.add(slot)
                     batch.append(slot)
-            owner, lo, hi = self.owner_np, self.lo, self.hi
+            self.visited += len(batch)
+            owner = self.owner_np
             ok = [s for s in batch if lo <= s < hi and owner[s] < 0]
             if self.fenced_refs and ok:
                 ok = [s for s, f in zip(ok, self._fenced_at(torch.tensor(ok)).tolist(),
                                         strict=True) if not f]
             found += ok
-        assert len(found) == n, f"pool {self.name}: hole heap found {len(found)} of {n} holes"
-        return torch.tensor(found, dtype=_LONG)
+        return found
 
-    def _add_holes(self, slots: torch.Tensor) -> None:
+    def _add_holes(self, slots: torch.Tensor | np.ndarray) -> None:
         """Remember ``slots`` as possible holes (validated when they surface)."""
         heap = self._hole_heap
-        if len(heap) > 4 * (self.num_holes + slots.numel()) + 4096:
-            self.rebuild_holes()  # mostly stale: start again from the band (amortised O(1))
-            return
+        if len(heap) > 4 * (self.num_holes + len(slots)) + 4096:
+            self._sweep_heap()  # mostly stale: drop the stale entries (amortised O(1))
         push = heapq.heappush
         for slot in (-slots if self.anchor == "high" else slots).tolist():
             push(heap, slot)
 
-    def rebuild_holes(self) -> None:
-        """Reset the hole heap from a scan of the band (after compaction re-cuts the band)."""
+    def _sweep_heap(self) -> None:
+        """Keep only the heap's entries that are holes now: a pass over the heap (which holds
+        every hole), not a scan of the band."""
         sign = -1 if self.anchor == "high" else 1
-        self._hole_heap = [sign * s for s in self.holes().tolist()]
+        entries = np.unique(np.asarray(self._hole_heap, dtype=np.int64) * sign)
+        self.visited += len(self._hole_heap)
+        entries = entries[(entries >= self.lo) & (entries < self.hi)]
+        entries = entries[~self._occupied_at(entries)]
+        self._hole_heap = (entries * sign).tolist()
         heapq.heapify(self._hole_heap)
+
+    def live_in(self, lo: int, hi: int) -> np.ndarray:
+        """Slots of ``[lo, hi)`` holding a live block, in slot order (visits those slots)."""
+        if hi <= lo:
+            return np.empty(0, dtype=np.int64)
+        self.visited += hi - lo
+        return np.flatnonzero(self.owner_np[lo:hi] >= 0) + lo
+
+    def add_free_slots(self, lo: int, hi: int) -> None:
+        """Remember the free slots of ``[lo, hi)`` (just joined the band) as holes."""
+        if hi > lo:
+            self._add_holes(np.flatnonzero(~self._occupied_np(lo, hi)) + lo)
 
     def pins(self) -> tuple[int, int] | None:
         """Lowest and highest slot holding a fence (such slots cannot move), or None."""
         if self.hi == self.lo or not self.fenced_refs:
             return None
+        self.visited += self.hi - self.lo
         idx = torch.nonzero(self.fenced(self.lo, self.hi)).flatten()
         if idx.numel() == 0:
             return None
@@ -167,6 +196,7 @@ class Pool:
         self.loc_np[ids] = slots_np
         self.owner_np[slots_np] = ids
         self.num_live += n
+        self.allocated += n
         out = torch.from_numpy(ids)
         self._log(out)
         return out
@@ -277,10 +307,18 @@ class Pool:
 
     def _occupied_np(self, lo: int, hi: int) -> np.ndarray:
         """:meth:`occupied` as a numpy mask (cheap for the few-slot scans of :meth:`trim`)."""
+        self.visited += max(0, hi - lo)
         live = self.owner_np[lo:hi] >= 0
         if self.fenced_refs:
             live |= (self._readers_np[lo:hi] > 0) | (self._writers_np[lo:hi] > 0)
         return live
+
+    def _occupied_at(self, slots: np.ndarray) -> np.ndarray:
+        """Whether each of ``slots`` is live or pending."""
+        busy = self.owner_np[slots] >= 0
+        if self.fenced_refs:
+            busy |= (self._readers_np[slots] > 0) | (self._writers_np[slots] > 0)
+        return busy
 
     # ------------------------------------------------------------- integrity
     def check(self) -> None:

@@ -18,6 +18,7 @@ class PoolStats:
     band_start: int
     band_end: int
     moves: int
+    allocated: int = 0  # blocks ever allocated (moves / allocated: the cost of sliding bands)
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,8 @@ class ArenaStats:
     compactions: int
     pending_fences: int
     pools: dict[str, PoolStats]
+    moved_bytes: int = 0  # bytes copied by compaction so far
+    allocated_bytes: int = 0  # bytes ever allocated
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
