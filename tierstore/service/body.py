@@ -25,6 +25,8 @@ import numpy as np
 from aiohttp import ClientPayloadError, web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from tierstore.errors import TierStoreError
+
 MSGPACK = "application/msgpack"
 MSGPACK_TYPES = (MSGPACK, "application/x-msgpack")
 MAX_DEPTH = 8  # container nesting of a request body (the API's bodies need 2)
@@ -41,7 +43,7 @@ TOKEN_SLICE = 1 << 16
 JSON_MAX_BYTES = 1 << 20
 
 
-class HTTPError(Exception):
+class HTTPError(TierStoreError):
     """An error answered as ``{"error": ..., "detail": ...}`` with ``status``."""
 
     def __init__(self, status: int, error: str, detail: str) -> None:
@@ -180,8 +182,9 @@ async def read_body(request: web.Request) -> dict[str, Any]:
         stream = _MsgpackStream(route)
         size = await _receive(request, route.max_bytes, stream.feed)
         return await _off_loop(limits, size, _settle, stream.result(), route)
-    raw = await read_raw(request, route.max_json_bytes)
-    return await _off_loop(limits, len(raw), decode_body, raw, kind, route)
+    buf = bytearray()
+    await _receive(request, route.max_json_bytes, buf.extend, f" (send {MSGPACK} for bulk)")
+    return await _off_loop(limits, len(buf), decode_body, buf, kind, route)
 
 
 async def _off_loop(limits: BodyLimits, size: int, fn: Callable[..., dict[str, Any]],
@@ -193,7 +196,8 @@ async def _off_loop(limits: BodyLimits, size: int, fn: Callable[..., dict[str, A
     return await asyncio.get_running_loop().run_in_executor(limits.executor, fn, *args)
 
 
-async def _receive(request: web.Request, max_bytes: int, sink: Callable[[bytes], None]) -> int:
+async def _receive(request: web.Request, max_bytes: int, sink: Callable[[bytes], None],
+                   hint: str = "") -> int:
     """Hand the body to ``sink`` chunk by chunk as it arrives; the bytes received. Each chunk
     is taken from the budget before ``sink`` sees it (waiting for other bodies until the
     deadline, then 503). 413 for a declared length over ``max_bytes`` before reading, and as
@@ -202,7 +206,7 @@ async def _receive(request: web.Request, max_bytes: int, sink: Callable[[bytes],
     declared = request.content_length
     if declared is not None and declared > max_bytes:
         raise HTTPError(413, "body_too_large", f"Content-Length {declared} exceeds this "
-                                               f"route's limit of {max_bytes} bytes")
+                                               f"route's limit of {max_bytes} bytes{hint}")
     loop = asyncio.get_running_loop()
     deadline = loop.time() + limits.timeout_s
     content, received = request.content, 0
@@ -218,7 +222,7 @@ async def _receive(request: web.Request, max_bytes: int, sink: Callable[[bytes],
             received += len(chunk)
             if received > max_bytes:
                 raise HTTPError(413, "body_too_large", f"the body exceeds this route's limit "
-                                                       f"of {max_bytes} bytes")
+                                                       f"of {max_bytes} bytes{hint}")
             if not limits.budget.try_take(len(chunk)) and \
                     not await limits.budget.take(len(chunk), deadline - loop.time()):
                 raise HTTPError(503, "busy", "too many request bodies in flight; retry")
@@ -282,6 +286,8 @@ def _decode_errors(kind: str, route: RouteLimits) -> Iterator[None]:
     """Decoder errors as HTTP errors: a limit is 413, anything else malformed (400)."""
     try:
         yield
+    except HTTPError:  # ours (a ValueError too): already answered
+        raise
     except msgpack.exceptions.BufferFull:
         raise HTTPError(413, "body_too_large", f"the body exceeds this route's limit of "
                                                f"{route.max_bytes} bytes") from None
