@@ -22,6 +22,7 @@ import pytest
 
 from host_tier import shm
 from remote_tier import RemoteTierConfig
+from tierstore.bench import soak
 from tierstore.client import Client, ServiceError
 from tierstore.config import StoreConfig
 from tierstore.hashing import PageHasher, tenant_namespace
@@ -402,3 +403,15 @@ def test_the_principals_file_holds_hashes_and_is_validated(tmp_path: Path) -> No
     missing = ServiceConfig(principals=str(tmp_path / "missing.json"), shm=False)
     with pytest.raises(PrincipalsError, match=r"missing\.json"):  # checked at start
         Service(TierStore(LAYOUT, StoreConfig(capacity_bytes=1 << 20)), missing)
+
+
+# ------------------------------------------------------------------ soak
+def test_a_short_soak_of_two_tenants_sees_no_cross_tenant_bytes(redis_bin: str) -> None:
+    parser = argparse.ArgumentParser()
+    soak.add_arguments(parser)
+    args = parser.parse_args(["--clients", "4", "--seconds", "4", "--tenants", "2"])
+    result = soak.run(args)
+    assert result["tenants"] == 2
+    assert result["cross_tenant_values"] == 0 and result["cross_tenant_bytes"] == 0
+    assert result["wrong_values"] == 0 and result["http_5xx"] == 0, result["errors"]
+    assert result["verified"].get("values", 0) > 0 and result["verified"].get("kv_pages", 0) > 0

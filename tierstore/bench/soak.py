@@ -5,6 +5,11 @@ restarted empty, the service SIGKILLed and restarted) and connection abuse (idle
 slowloris). Reports requests/s, p50/p99 per endpoint, errors by kind, wrong bytes (must be
 0), 5xx answers and the service's RSS growth.
 
+``--tenants N`` runs the service with a generated principals file of N tenants (own tokens);
+client ``i`` is tenant ``i % N`` and uses namespace ``soak-w{i // N}`` with the same keys and
+token ids as the clients of the other tenants, but payloads of its own. A read returning the
+payload another tenant wrote under the same names counts as cross-tenant bytes (must be 0).
+
 The load is this module's own asyncio loop over ``AsyncClient`` rather than a load library
 (locust): checking every byte needs the client's msgpack decoding and the generator's state
 (what was written where), chaos and abuse run beside the clients in the same loop, and
@@ -17,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -39,6 +45,7 @@ from remote_tier.embedded import RedisServer, free_port
 from tierstore.bench._util import table
 from tierstore.client import AsyncClient, ServiceError
 from tierstore.reference_model import CONFIG
+from tierstore.service.principals import hash_token, new_token
 
 TOKEN = "soak-token"
 PAGE = 16
@@ -59,6 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="idle sockets to hold open (reopened when closed), plus one "
                              "slowloris connection a second")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tenants", type=int, default=0,
+                        help="run as this many tenants (a principals file, a token each), "
+                             "all naming the same namespaces, keys and prompts; counts "
+                             "cross-tenant bytes (0: one token, today's mode)")
 
 
 def _expected(*parts: object, size: int) -> bytes:
@@ -76,14 +87,21 @@ class Tally:
     verified: Counter[str] = field(default_factory=Counter)
     wrong_values: int = 0
     wrong_bytes: int = 0
+    cross_tenant_values: int = 0
+    cross_tenant_bytes: int = 0
     http_5xx: int = 0
 
-    def check(self, what: str, got: bytes | None, want: bytes) -> None:
-        """Count ``got`` (a read, None for a miss) against ``want``."""
+    def check(self, what: str, got: bytes | None, want: bytes,
+              others: Callable[[], list[bytes]] = list) -> None:
+        """Count ``got`` (a read, None for a miss) against ``want``; ``others`` gives what
+        the other tenants wrote under the same names (a match is cross-tenant bytes)."""
         if got is None:
             self.verified[f"{what}_miss"] += 1
             return
         self.verified[what] += 1
+        if got != want and got in others():
+            self.cross_tenant_values += 1
+            self.cross_tenant_bytes += len(got)
         if got != want:
             self.wrong_values += 1
             n = min(len(got), len(want))
@@ -92,33 +110,47 @@ class Tally:
 
 
 class Worker:
-    """One client: its own namespace, connection pool and record of what it wrote."""
+    """One client: its own namespace (of its tenant), connection pool and record of what it
+    wrote."""
 
     def __init__(self, wid: int, url: str, units: dict[str, int], tally: Tally,
-                 rng: random.Random) -> None:
+                 rng: random.Random, *, tenants: int = 0, token: str = TOKEN) -> None:
         self.wid, self.url, self.units, self.tally, self.rng = wid, url, units, tally, rng
-        self.ns = f"soak-w{wid}"
+        self.token = token
+        self.tenants = max(1, tenants)
+        # With tenants, clients of different tenants share namespace names (and keys and
+        # token ids): only the tenant tells their data apart.
+        self.slot, self.tenant = divmod(wid, self.tenants) if tenants else (wid, 0)
+        self.ns = f"soak-w{self.slot}"
         self.prompts: list[int] = []  # sequence numbers of inserted prompts
         self.keys: list[str] = []
         self.seq = 0
 
     def tokens(self, seq: int) -> list[int]:
         pages = 1 + seq % 4
-        base = (self.wid * 1_000_003 + seq) * 64
+        base = (self.slot * 1_000_003 + seq) * 64
         return list(range(base, base + pages * PAGE))
 
-    def value(self, key: str) -> bytes:
+    def value(self, key: str, tenant: int | None = None) -> bytes:
         size = 64 + int.from_bytes(hashlib.blake2b(key.encode(), digest_size=2).digest(),
                                    "big") % 40_000
-        return _expected(self.ns, key, size=size)
+        return _expected(self._label(tenant), key, size=size)
 
-    def envelope(self, seq: int, kind: str, page: int) -> bytes:
-        return _expected(self.ns, seq, kind, page, size=self.units[kind])
+    def envelope(self, seq: int, kind: str, page: int, tenant: int | None = None) -> bytes:
+        return _expected(self._label(tenant), seq, kind, page, size=self.units[kind])
+
+    def _label(self, tenant: int | None) -> str:
+        tenant = self.tenant if tenant is None else tenant
+        return self.ns if self.tenants == 1 else f"t{tenant}/{self.ns}"
+
+    def _others(self, make: Callable[[int], bytes]) -> Callable[[], list[bytes]]:
+        """What the other tenants' clients write under the same names (computed lazily)."""
+        return lambda: [make(t) for t in range(self.tenants) if t != self.tenant]
 
     async def run(self, deadline: float) -> None:
         ops = list(MIX)
         weights = [MIX[o] for o in ops]
-        async with AsyncClient(self.url, token=TOKEN, retries=0, timeout_s=30) as client:
+        async with AsyncClient(self.url, token=self.token, retries=0, timeout_s=30) as client:
             while time.monotonic() < deadline:
                 op = self.rng.choices(ops, weights)[0]
                 start = time.perf_counter()
@@ -159,12 +191,16 @@ class Worker:
         seq = self.rng.choice(self.prompts)
         got = await client.fetch(self.tokens(seq) + [1], self.ns)
         for p, blob in enumerate(got["kv"]):
-            self.tally.check("kv_pages", blob, self.envelope(seq, "kv", p))
+            self.tally.check("kv_pages", blob, self.envelope(seq, "kv", p), self._others(
+                functools.partial(self.envelope, seq, "kv", p)))
         for p, blob in enumerate(got["swa"]):
             if blob is not None:
-                self.tally.check("swa_pages", blob, self.envelope(seq, "swa", p))
+                self.tally.check("swa_pages", blob, self.envelope(seq, "swa", p),
+                                 self._others(functools.partial(self.envelope, seq, "swa", p)))
         if got["state"] is not None:
-            self.tally.check("states", got["state"], self.envelope(seq, "state", got["pages"]))
+            pages = got["pages"]
+            self.tally.check("states", got["state"], self.envelope(seq, "state", pages),
+                             self._others(functools.partial(self.envelope, seq, "state", pages)))
 
     async def _batch_set(self, client: AsyncClient) -> None:
         keys = [f"k{self.seq}-{i}" for i in range(self.rng.randint(1, 8))]
@@ -176,7 +212,8 @@ class Worker:
         if self.keys:
             keys = self.rng.sample(self.keys, min(8, len(self.keys)))
             for key, got in zip(keys, await client.batch_get(keys, self.ns), strict=True):
-                self.tally.check("values", got, self.value(key))
+                self.tally.check("values", got, self.value(key),
+                                 self._others(functools.partial(self.value, key)))
 
     async def _batch_exists(self, client: AsyncClient) -> None:
         if self.keys:
@@ -192,7 +229,7 @@ class Worker:
 class ServiceProcess:
     """``tierstore serve`` as a child process (so it can be SIGKILLed and its RSS read)."""
 
-    def __init__(self, redis_url: str, workdir: str) -> None:
+    def __init__(self, redis_url: str, workdir: str, principals: str | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = os.path.join(workdir, "config.json")
@@ -201,7 +238,8 @@ class ServiceProcess:
         self._args = [sys.executable, "-m", "tierstore.cli", "serve", "--port", str(self.port),
                       "--model-config", config, "--page-size", str(PAGE), "--device", "cpu",
                       "--l1", "8MiB", "--l2", "16MiB", "--redis-url", redis_url,
-                      "--auth-token", TOKEN, "--lease-ttl", "10"]
+                      "--lease-ttl", "10"]
+        self._args += ["--principals", principals] if principals else ["--auth-token", TOKEN]
         self._log = os.path.join(workdir, "service.log")
         self.proc: subprocess.Popen[bytes] | None = None
         self.restarts = 0
@@ -314,16 +352,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the soak; the figures."""
     with tempfile.TemporaryDirectory(prefix="tierstore-soak-") as workdir, \
             RedisServer() as redis:
-        service = ServiceProcess(redis.url, workdir)
+        tokens = [new_token() for _ in range(args.tenants)]
+        principals = None
+        if tokens:
+            principals = os.path.join(workdir, "principals.json")
+            with open(principals, "w") as f:
+                json.dump({"tenants": {f"t{i}": {"tokens": [hash_token(token)],
+                                                 "namespaces": ["soak-*"]}
+                                       for i, token in enumerate(tokens)}}, f)
+        service = ServiceProcess(redis.url, workdir, principals)
         service.start()
         try:
-            return asyncio.run(_soak(args, redis, service))
+            return asyncio.run(_soak(args, redis, service, tokens))
         finally:
             service.stop()
 
 
-async def _soak(args: argparse.Namespace, redis: RedisServer, service: ServiceProcess
-                ) -> dict[str, Any]:
+async def _soak(args: argparse.Namespace, redis: RedisServer, service: ServiceProcess,
+                tokens: list[str]) -> dict[str, Any]:
     from tierstore.reference_model import tiny_layout
 
     units = {k: e.nbytes for k, e in tiny_layout(PAGE).envelopes().items()}
@@ -349,9 +395,10 @@ async def _soak(args: argparse.Namespace, redis: RedisServer, service: ServicePr
         events.append(f"{time.monotonic() - start:.1f}s service restarted")
 
     rss_start = service.rss_bytes()
-    tasks = [asyncio.ensure_future(Worker(i, service.url, units, tally,
-                                          random.Random(rng.random())).run(deadline))
-             for i in range(args.clients)]
+    tasks = [asyncio.ensure_future(Worker(
+        i, service.url, units, tally, random.Random(rng.random()), tenants=len(tokens),
+        token=tokens[i % len(tokens)] if tokens else TOKEN).run(deadline))
+        for i in range(args.clients)]
     side = []
     if args.kill_redis_at is not None:
         side.append(asyncio.ensure_future(_at(args.kill_redis_at, kill_redis)))
@@ -372,6 +419,8 @@ async def _soak(args: argparse.Namespace, redis: RedisServer, service: ServicePr
             "requests_per_s": total / elapsed, "endpoints": endpoints,
             "errors": dict(tally.errors), "http_5xx": tally.http_5xx,
             "wrong_values": tally.wrong_values, "wrong_bytes": tally.wrong_bytes,
+            "tenants": len(tokens), "cross_tenant_values": tally.cross_tenant_values,
+            "cross_tenant_bytes": tally.cross_tenant_bytes,
             "verified": dict(tally.verified), "events": events, "abuse": dict(abuse),
             "service_restarts": service.restarts, "rss_start_mib": rss_start / 2**20,
             "rss_end_mib": rss_end / 2**20, "rss_growth_mib": (rss_end - rss_start) / 2**20,
@@ -383,7 +432,10 @@ def render(result: dict[str, Any]) -> str:
     lines = [table(rows, ["endpoint", "requests", "p50_ms", "p99_ms"]),
              f"{result['clients']} clients, {result['seconds']} s: "
              f"{result['requests_per_s']:.0f} ok requests/s; 5xx {result['http_5xx']}; "
-             f"wrong values {result['wrong_values']}, wrong bytes {result['wrong_bytes']}",
+             f"wrong values {result['wrong_values']}, wrong bytes {result['wrong_bytes']}"
+             + (f"; {result['tenants']} tenants, cross-tenant values "
+                f"{result['cross_tenant_values']}, bytes {result['cross_tenant_bytes']}"
+                if result.get("tenants") else ""),
              f"verified reads: {result['verified']}",
              f"errors: {result['errors'] or 'none'}",
              f"service RSS {result['rss_start_mib']:.0f} -> {result['rss_end_mib']:.0f} MiB "
