@@ -12,7 +12,6 @@ from remote_tier import wire
 from remote_tier.buffers import BufferPool
 from remote_tier.errors import CorruptValue, OldFormat
 from remote_tier.keys import KeyParts, part_key
-from remote_tier.mac import Mac
 from remote_tier.resp import BulkSink, Reply
 from remote_tier.split import Assembly
 from remote_tier.stats import Counters
@@ -28,8 +27,10 @@ class ReadBatch:
     received straight into its slice. ``take_heads`` then ``finish`` (after reading the parts
     of the split values it returned); ``corrupt`` (heads) and ``useless`` (other keys) are
     then what to delete, and ``absent`` the keys that read as absent (a key holding another
-    Redis type than a string reads absent too: ``RedisTier`` probes them). Every payload is
-    verified with ``mac`` before it is a result."""
+    Redis type than a string reads absent too: ``RedisTier`` probes them). A payload is a
+    result only once its tag verifies: ``checks`` lists the tags still to verify after
+    ``finish``, and ``settle`` takes the verdicts (the store hashes large payloads on worker
+    threads, so the loop is not held while it does)."""
 
     def __init__(
         self,
@@ -40,10 +41,9 @@ class ReadBatch:
         chunk_bytes: int,
         buffers: BufferPool,
         counters: Counters,
-        mac: Mac,
     ) -> None:
         self._keys_b = keys_b
-        self._mac = mac
+        self.checks: list[tuple[int, wire.TagCheck]] = []  # (result index, its tag to verify)
         self._parts = parts
         self._outs = outs
         self._buffers = buffers
@@ -63,7 +63,7 @@ class ReadBatch:
             if num == 1:
                 self.sinks[i] = _sink(parts[i], out)
                 continue
-            plan = Assembly(keys_b[i], parts[i], num, out, mac)
+            plan = Assembly(keys_b[i], parts[i], num, out)
             plan.first = len(self.fetch)
             self._planned[i] = plan
             self.sinks[i] = plan.sink(0)
@@ -83,7 +83,7 @@ class ReadBatch:
             out = None if self._outs is None else self._outs[i]
             if replies[i] is None:
                 self.absent.append(i)
-            got = self._accept(replies[i], self._parts[i], self._keys_b[i], out)
+            got = self._accept(i, replies[i], self._parts[i], self._keys_b[i], out)
             if isinstance(got, Assembly):
                 self._assemblies.append((i, got))
                 later.append(got)
@@ -95,18 +95,18 @@ class ReadBatch:
         return later
 
     def finish(self) -> int:
-        """Settle every split value (``results``, failures counted and listed); the number
-        of Redis values the hits were read from."""
+        """Settle every split value's parts (``results``, failures counted and listed; the
+        tags of whole ones go to ``checks``); the number of Redis values the hits were read
+        from."""
         num_values = sum(r is not None for r in self.results)
         num_incomplete = 0
         for i, a in self._assemblies:
-            self.results[i] = a.finish()
-            if a.failure is None:
+            self.results[i] = got = a.finish()
+            if got is not None:
                 num_values += a.num_parts
+                self.checks.append((i, a.tag_check()))
             elif a.failure == "corrupt":
-                why = "MAC mismatch in" if a.bad_tag else "bad part of"
-                self._counters.num_mac_failures += a.bad_tag
-                self._counters.anomaly("corrupt", a.parts.kind, f"{why} split {a.key_b[:80]!r}")
+                self._counters.anomaly("corrupt", a.parts.kind, f"bad part of {a.key_b[:80]!r}")
                 self.corrupt.append(a.key_b)
                 self.useless += a.part_keys()
             elif a.failure == "incomplete":
@@ -117,12 +117,34 @@ class ReadBatch:
             self._counters.error("incomplete", num_incomplete)
         return num_values
 
+    def settle(self, verdicts: Sequence[bool]) -> None:
+        """Take whether each of ``checks`` verified: a value whose tag did not is a miss,
+        counted (``corrupt``, ``num_mac_failures``) and listed for deletion with its parts."""
+        split = dict(self._assemblies)
+        for (i, check), ok in zip(self.checks, verdicts, strict=True):
+            if ok:
+                continue
+            self.results[i] = None
+            self._counters.num_mac_failures += 1
+            key_b = check.key_b
+            detail = f"{wire.BAD_TAG} at {key_b[:80]!r}"
+            self._counters.anomaly("corrupt", self._parts[i].kind, detail)
+            self.corrupt.append(key_b)
+            if i in split:
+                self.useless += split[i].part_keys()
+        self.checks = []
+
     def _accept(
-        self, reply: Reply | Exception, parts: KeyParts, key_b: bytes, out: memoryview | None
+        self,
+        i: int,
+        reply: Reply | Exception,
+        parts: KeyParts,
+        key_b: bytes,
+        out: memoryview | None,
     ) -> memoryview | Assembly | list[bytes] | None:
-        """What one head's reply holds: the payload of a whole value, the ``Assembly`` of a
-        split one, the keys of the other parts of a corrupt one (``[]`` when not known), or
-        ``None`` (a miss)."""
+        """What the reply for head ``i`` holds: the payload of a whole value (its tag still
+        to check: added to ``checks``), the ``Assembly`` of a split one, the keys of the
+        other parts of a corrupt one (``[]`` when not known), or ``None`` (a miss)."""
         if reply is None or isinstance(reply, Exception):
             return None
         doomed: list[bytes] = []
@@ -131,14 +153,10 @@ class ReadBatch:
                 scratch, payload = reply
                 header = _whole_header(scratch)
                 if header is not None and out is not None and len(payload) == len(out):
-                    wire.verify(
-                        self._mac,
-                        header,
-                        payload,
-                        key_b=key_b,
-                        kind=parts.kind,
-                        layout_fp=parts.layout_fp,
+                    check = wire.check_whole(
+                        header, payload, key_b=key_b, kind=parts.kind, layout_fp=parts.layout_fp
                     )
+                    self.checks.append((i, check))
                     return payload
                 value = memoryview(b"".join(reply))  # another layout than expected: rejoin
             elif isinstance(reply, tuple) and len(reply) == 1:  # received into a pooled buffer
@@ -150,20 +168,14 @@ class ReadBatch:
             header, size = wire.read_header(value)
             payload = value[size:]
             if header.version == wire.FORMAT_VERSION:
-                wire.verify(
-                    self._mac,
-                    header,
-                    payload,
-                    key_b=key_b,
-                    kind=parts.kind,
-                    layout_fp=parts.layout_fp,
+                check = wire.check_whole(
+                    header, payload, key_b=key_b, kind=parts.kind, layout_fp=parts.layout_fp
                 )
             else:
                 doomed = [part_key(key_b, i) for i in range(1, header.num_parts)]
                 return self._split_head(header, payload, parts, key_b, out)
         except CorruptValue as exc:
             kind = "old_format" if isinstance(exc, OldFormat) else "corrupt"
-            self._counters.num_mac_failures += isinstance(exc, wire.BadTag)
             self._counters.anomaly(kind, parts.kind, f"{exc} at {key_b[:80]!r}")
             return doomed
         if out is not None:  # a value whose header size was unexpected came in whole
@@ -171,7 +183,8 @@ class ReadBatch:
                 self._counters.error("size_mismatch")
                 return None
             out[:] = payload
-            return out
+            payload = out
+        self.checks.append((i, check._replace(payload=payload)))
         return payload
 
     def _split_head(
@@ -200,7 +213,7 @@ class ReadBatch:
         else:
             dest = memoryview(bytearray(total))
         dest[:end] = payload
-        return Assembly(key_b, parts, header.num_parts, dest, self._mac, header.tag)
+        return Assembly(key_b, parts, header.num_parts, dest, header.tag)
 
 
 def _pooled_sink(buffers: BufferPool) -> BulkSink:

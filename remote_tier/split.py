@@ -60,8 +60,8 @@ def values_of(
 class Assembly:
     """One split value being received into ``dest`` (its ``total`` bytes): the part
     headers seen so far and whether any failed. The head's tag is known up front
-    (``digest``) or learnt from the head (``take_head``); ``finish`` verifies it with ``mac``
-    (``bad_tag`` when that failed)."""
+    (``digest``) or learnt from the head (``take_head``); ``tag_check`` is what verifies the
+    assembled payload against it."""
 
     def __init__(
         self,
@@ -69,7 +69,6 @@ class Assembly:
         parts: KeyParts,
         num_parts: int,
         dest: memoryview,
-        mac: Mac,
         digest: bytes | None = None,
     ) -> None:
         assert 2 <= num_parts <= wire.MAX_PARTS, f"{num_parts} parts"
@@ -78,8 +77,6 @@ class Assembly:
         self.num_parts = num_parts
         self.dest = dest
         self.digest = digest
-        self.mac = mac
-        self.bad_tag = False
         self.failure: Failure | None = None
         self.first = 0  # where the replies of parts 1.. start in the caller's batch
 
@@ -125,15 +122,15 @@ class Assembly:
             self._fail("corrupt")
 
     def finish(self) -> memoryview | None:
-        """The assembled payload (``dest``) once every part passed and the whole tag
-        verifies; else ``None`` with ``failure`` set."""
-        if self.failure is None:
-            kind, fp, num = self.parts.kind, self.parts.layout_fp, self.num_parts
-            binding = wire.binding(kind, fp, len(self.dest), num)
-            if not self.mac.verify(self.key_b, binding, self.dest, self.digest or b""):
-                self.bad_tag = True
-                self._fail("corrupt")
+        """The assembled payload (``dest``) once every part passed (its tag is still to
+        verify: ``tag_check``); else ``None`` with ``failure`` set."""
         return self.dest if self.failure is None else None
+
+    def tag_check(self) -> wire.TagCheck:
+        """The check of the assembled payload's tag against the head's key."""
+        kind, fp, num = self.parts.kind, self.parts.layout_fp, self.num_parts
+        binding = wire.binding(kind, fp, len(self.dest), num)
+        return wire.TagCheck(self.key_b, binding, self.dest, self.digest or b"")
 
     def _fail(self, failure: Failure) -> None:
         if _RANK[failure] > _RANK[self.failure]:

@@ -17,10 +17,13 @@ deleted (a tag that does not verify is also counted as ``num_mac_failures``). Mi
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from remote_tier import split, wire
 from remote_tier.buffers import BufferPool
@@ -37,7 +40,11 @@ from remote_tier.writes import SetBatch, Writer
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
+T = TypeVar("T")
 _SCAN_COUNT = 1000
+# Payloads from ``Mac.offload_bytes`` up are signed and verified on worker threads (BLAKE3
+# releases the GIL), all of a batch at once, while the loop moves other batches' bytes.
+_HASH_THREADS = max(2, min(8, os.cpu_count() or 1))
 
 
 class RedisTier:
@@ -67,6 +74,7 @@ class RedisTier:
         self._writer = Writer(self._router, self._counters, config)
         self._ttl_ms = None if config.ttl_s is None else max(1, round(config.ttl_s * 1000))
         self._buffers = BufferPool(config.recv_pool_bytes)
+        self._hasher: ThreadPoolExecutor | None = None  # started on the first large value
         self._closed = False
 
     @classmethod
@@ -95,9 +103,12 @@ class RedisTier:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Close every connection; the tier cannot be used afterwards."""
+        """Close every connection and the hashing threads; the tier cannot be used
+        afterwards."""
         self._closed = True
         await self._router.aclose()
+        if self._hasher is not None:
+            self._hasher.shutdown(wait=False)
 
     # -- keys -----------------------------------------------------------------------------------
 
@@ -125,11 +136,13 @@ class RedisTier:
         self._check_open()
         prefix = self.config.key_prefix
         batch = SetBatch(() if self._ttl_ms is None else ("PX", self._ttl_ms))
-        for key, data in items:  # validate the whole batch before any I/O
-            payload = wire.as_bytes_view(data)
-            batch.add(
-                split.values_of(key, parse_key(prefix, key), payload, self.config, self.mac)
-            )
+        # validate and sign the whole batch before any I/O
+        todo = [(key, parse_key(prefix, key), wire.as_bytes_view(data)) for key, data in items]
+        for values in await self._offload(
+            [partial(split.values_of, k, kp, p, self.config, self.mac) for k, kp, p in todo],
+            [len(p) for _, _, p in todo],
+        ):
+            batch.add(values)
         ok = [False] * len(items)
         if items and await self._router.ensure_topology():
             ok = await self._writer.put(batch)
@@ -168,7 +181,6 @@ class RedisTier:
             chunk_bytes=chunk,
             buffers=self._buffers,
             counters=c,
-            mac=self.mac,
         )
         if outs:  # the sizes to expect are known: size the batches by them
             router.note_values(len(reads.fetch), sum(len(o) for o in outs))
@@ -176,6 +188,13 @@ class RedisTier:
         if later:
             split.take_parts(later, await router.mget(*split.part_requests(later)))
         num_values = reads.finish()
+        checks = [check for _, check in reads.checks]
+        reads.settle(
+            await self._offload(
+                [partial(check.passes, self.mac) for check in checks],
+                [len(check.payload) for check in checks],
+            )
+        )
         results = reads.results
         hits = sum(r is not None for r in results)
         c.num_hits += hits
@@ -282,6 +301,38 @@ class RedisTier:
             pool.check_integrity()
 
     # -- internals ------------------------------------------------------------------------------
+
+    async def _offload(self, jobs: list[Callable[[], T]], sizes: list[int]) -> list[T]:
+        """Each job's result: those of ``mac.offload_bytes`` or more run on the hashing
+        threads, all at once, the rest here meanwhile. A job's exception is raised once all
+        are done."""
+        least = self.mac.offload_bytes
+        if not any(size >= least for size in sizes):
+            return [job() for job in jobs]
+        if self._hasher is None:
+            self._hasher = ThreadPoolExecutor(_HASH_THREADS, thread_name_prefix="tierstore-mac")
+        loop = asyncio.get_running_loop()
+        far = {
+            i: loop.run_in_executor(self._hasher, job)
+            for i, (job, size) in enumerate(zip(jobs, sizes, strict=True))
+            if size >= least
+        }
+        got: dict[int, T | BaseException] = {}
+        for i, job in enumerate(jobs):
+            if i not in far:
+                try:
+                    got[i] = job()
+                except Exception as exc:  # raised below, once the workers are done
+                    got[i] = exc
+        done = await asyncio.gather(*far.values(), return_exceptions=True)
+        got.update(zip(far, done, strict=True))
+        results: list[T] = []
+        for i in range(len(jobs)):
+            result = got[i]
+            if isinstance(result, BaseException):
+                raise result
+            results.append(result)
+        return results
 
     async def _parts_of(self, keys_b: list[bytes]) -> list[bytes]:
         """The keys of the other parts of every split value among ``keys_b``, read from the

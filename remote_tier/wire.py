@@ -43,6 +43,7 @@ MAX_HEADER_BYTES = 256
 MAX_PARTS = 4096
 
 _NUM_FIELDS = {FORMAT_VERSION: 5, SPLIT_FORMAT_VERSION: 7}
+BAD_TAG = "MAC mismatch (damaged, forged, another key's value, or another secret)"
 
 
 class BadTag(CorruptValue):
@@ -181,11 +182,24 @@ def _is_count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def verify(
-    mac: Mac, header: Header, payload: memoryview, *, key_b: bytes, kind: str, layout_fp: str
-) -> None:
-    """Check a whole value's header against what its key ``key_b`` promises and its tag
-    against the key, header and payload (``BadTag``)."""
+class TagCheck(NamedTuple):
+    """A tag still to verify: of ``payload`` stored at ``key_b`` with ``binding``."""
+
+    key_b: bytes
+    binding: bytes
+    payload: memoryview
+    tag: bytes
+
+    def passes(self, mac: Mac) -> bool:
+        """Whether the tag verifies (thread-safe: the store runs large ones on workers)."""
+        return mac.verify(self.key_b, self.binding, self.payload, self.tag)
+
+
+def check_whole(
+    header: Header, payload: memoryview, *, key_b: bytes, kind: str, layout_fp: str
+) -> TagCheck:
+    """Check a whole value's header against what its key ``key_b`` promises (``CorruptValue``
+    if not); the tag check that remains."""
     if header.version != FORMAT_VERSION:
         raise CorruptValue(f"part {header.part} of {header.num_parts}, not a whole value")
     if header.kind != kind:
@@ -194,8 +208,17 @@ def verify(
         raise CorruptValue(f"layout fingerprint {header.layout_fp!r}, key says {layout_fp!r}")
     if header.payload_len != len(payload):
         raise CorruptValue(f"payload is {len(payload)} bytes, header says {header.payload_len}")
-    if not mac.verify(key_b, binding(kind, layout_fp, len(payload)), payload, header.tag):
-        raise BadTag("MAC mismatch (damaged, forged, another key's value, or another secret)")
+    return TagCheck(key_b, binding(kind, layout_fp, len(payload)), payload, header.tag)
+
+
+def verify(
+    mac: Mac, header: Header, payload: memoryview, *, key_b: bytes, kind: str, layout_fp: str
+) -> None:
+    """Check a whole value's header against what its key ``key_b`` promises and its tag
+    against the key, header and payload (``BadTag``)."""
+    check = check_whole(header, payload, key_b=key_b, kind=kind, layout_fp=layout_fp)
+    if not check.passes(mac):
+        raise BadTag(BAD_TAG)
 
 
 def decode(mac: Mac, value: Buffer, *, key_b: bytes, kind: str, layout_fp: str) -> memoryview:

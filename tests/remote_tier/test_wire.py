@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import struct
-
 import msgpack
 import numpy as np
 import pytest
-import xxhash
 
 from remote_tier import wire
 from remote_tier.errors import CorruptValue, OldFormat
 from remote_tier.mac import Mac
+from tierstore.testing.l3_forger import old_checksum_value
 
 KEY = b"t:fp1:0123456789abcdef:kv"
 MAC = Mac(b"wire-test-secret-" * 2)
@@ -124,23 +122,14 @@ def test_a_value_signed_with_another_secret_is_rejected() -> None:
     assert _decode(wire.encode(Mac(b"wire-test-secret-" * 2), KEY, "kv", "fp1", GOOD))
 
 
-def _xxh3_value(version: int) -> bytes:
-    """A value as formats 3/4 wrote it: an unkeyed xxh3 checksum anyone can compute."""
-    fp = b"fp1"
-    h = xxhash.xxh3_64(struct.pack(">I", len(KEY)) + KEY + struct.pack(">I", len(fp)) + fp)
-    h.update(struct.pack(">Q", len(GOOD)) + GOOD)
-    fields = [version, "kv", "fp1", len(GOOD), h.digest()] + ([0, 2] if version == 4 else [])
-    return _header(*fields) + GOOD
-
-
 @pytest.mark.parametrize("version", wire.OLD_VERSIONS)
 def test_values_before_the_mac_are_old_format(version: int) -> None:
     fields = [version, "kv", "fp1", len(GOOD), SUM[:8]] + ([0, 2] if version in (2, 4) else [])
     with pytest.raises(OldFormat, match=f"format version {version}"):
         _decode(_header(*fields) + GOOD)
-    if version >= 3:  # a correct old-style checksum changes nothing
+    if version == 3:  # a correct old-style checksum changes nothing
         with pytest.raises(OldFormat):
-            _decode(_xxh3_value(version))
+            _decode(old_checksum_value(KEY.decode(), GOOD))
 
 
 # -- split values (format 6) ----------------------------------------------------------------------
