@@ -5,16 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from tierstore.errors import InternalError, UsageError
+
 Anchor = Literal["low", "high", "float"]
 ANCHORS: tuple[Anchor, ...] = ("low", "float", "high")  # band order from byte 0 upwards
 ALIGN = 16  # bytes: every unit and the capacity are multiples, so copies can be vector-wide
 
 
-class ArenaError(ValueError):
+class ArenaError(UsageError):
     """Caller misuse of an arena: unknown pool, foreign or double-freed id, wrong shape."""
 
 
-class IntegrityError(AssertionError):
+class IntegrityError(InternalError):
     """An arena's internal state broke an invariant (a bug, never caller misuse)."""
 
 

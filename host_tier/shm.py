@@ -23,6 +23,8 @@ import weakref
 
 import torch
 
+from tierstore.errors import UnavailableError
+
 log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
@@ -33,7 +35,7 @@ _NONCE_BYTES = 32
 _OWNED_NAME = re.compile(r"^tierstore[a-z0-9-]*?-(\d+)-[0-9a-f]{32}$")
 
 
-class ShmError(OSError):
+class ShmError(UnavailableError, OSError):
     """A segment that cannot be created, found or verified (shared memory unavailable)."""
 
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import bisect
 
+from tierstore.errors import UsageError
+
 ALIGN = 256  # every range starts on this boundary (vector-wide copies, any dtype view)
 
 
-class SlotError(ValueError):
+class SlotError(UsageError):
     """A free of a range that is not allocated, or a bad size."""
 
 

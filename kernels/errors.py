@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from tierstore.errors import UsageError
 
-class KernelArgumentError(ValueError):
+
+class KernelArgumentError(UsageError):
     """Arguments that do not fit their buffers or each other; the message carries the numbers."""

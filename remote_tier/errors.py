@@ -12,14 +12,16 @@ from typing import Literal
 
 import redis.exceptions
 
+from tierstore.errors import TierStoreError, UnavailableError
+
 UnavailableReason = Literal["connection", "timeout", "circuit_open", "auth", "topology"]
 
 
-class RemoteTierError(Exception):
+class RemoteTierError(TierStoreError):
     """Base of every error the remote tier raises."""
 
 
-class RemoteUnavailable(RemoteTierError):
+class RemoteUnavailable(RemoteTierError, UnavailableError):
     """The server (or cluster node) cannot be used now: down, timed out, or circuit open."""
 
     def __init__(self, reason: UnavailableReason, detail: str = "") -> None:

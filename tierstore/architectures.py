@@ -21,13 +21,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from tierstore.errors import UsageError
+
 __all__ = ["LayerCache", "LayoutError", "layer_caches", "recurrent_fields"]
 
 Attention = Literal["full", "swa"]
 Recurrent = Literal["gdn", "mamba2", "mamba1", "conv"]
 
 
-class LayoutError(ValueError):
+class LayoutError(UsageError):
     """A config (or request) the layout cannot interpret; the message names the key and value."""
 
 

@@ -18,11 +18,13 @@ import aiohttp
 import msgpack
 import numpy as np
 
+from tierstore.errors import TierStoreError
+
 T = TypeVar("T")
 MSGPACK = "application/msgpack"
 
 
-class ServiceError(Exception):
+class ServiceError(TierStoreError):
     """The service answered with an error (``status``, ``error``, ``detail``)."""
 
     def __init__(self, status: int, error: str, detail: str, *, attempts: int = 1) -> None:

@@ -21,6 +21,7 @@ import torch
 
 from host_tier.shm import SharedSegment, ShmError
 from tierstore.client import Client, ServiceError, pack_tokens
+from tierstore.errors import TierStoreError, UnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ Sink = Callable[[int, torch.Tensor], bool]
 Source = Callable[[int, torch.Tensor], None]
 
 
-class ShmUnavailable(RuntimeError):
+class ShmUnavailable(UnavailableError, RuntimeError):
     """Shared memory cannot be used with this service (another host, no segment, refused)."""
 
 
@@ -42,7 +43,7 @@ class SegmentChanged(ShmUnavailable):
     restarted): attach again."""
 
 
-class LeaseExpired(RuntimeError):
+class LeaseExpired(TierStoreError, RuntimeError):
     """A read lease ended before the copy did: the bytes copied under it are not trusted."""
 
 

@@ -38,6 +38,7 @@ from remote_tier.embedded import RedisServer, redis_binary
 from remote_tier.keys import envelope_key
 from remote_tier.store import RedisTier
 from tierstore.bench._util import ratio, table
+from tierstore.errors import UnavailableError
 
 _PREFIX = "bench"
 _FP = "benchfp"
@@ -46,7 +47,7 @@ _LMCACHE_DRIVER = Path(__file__).with_name("_lmcache_driver.py")
 _LMCACHE_UNIT = 1024  # the driver's KV chunk: 256 tokens x K,V x bfloat16 x hidden
 
 
-class LmcacheAbsent(RuntimeError):
+class LmcacheAbsent(UnavailableError, RuntimeError):
     """The LMCache venv's Python is missing or cannot import ``lmcache``."""
 
 

@@ -17,6 +17,7 @@ import torch
 
 from remote_tier import RemoteTierConfig
 from tierstore.config import StoreConfig
+from tierstore.errors import InternalError
 from tierstore.eviction import StopRule
 from tierstore.layout import ModelLayout
 from tierstore.replay.l3 import BoundedRedis
@@ -27,7 +28,7 @@ from tierstore.store import TierStore
 NAMESPACE = "replay"
 
 
-class ReplayIntegrityError(AssertionError):
+class ReplayIntegrityError(InternalError):
     """A cache returned bytes that are not the page's envelope (never a mere miss)."""
 
 

@@ -15,13 +15,14 @@ from pathlib import Path
 
 import numpy as np
 
+from tierstore.errors import UsageError
 from tierstore.layout import ModelLayout
 
 BLOCK_TOKENS = 512  # tokens per trace block (Mooncake's hash block size)
 TRACE_NAME = "synthetic_trace.jsonl"
 
 
-class TraceError(ValueError):
+class TraceError(UsageError):
     """A trace line the replay cannot use; the message names the line and the field."""
 
 

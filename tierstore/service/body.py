@@ -286,7 +286,7 @@ def _decode_errors(kind: str, route: RouteLimits) -> Iterator[None]:
     """Decoder errors as HTTP errors: a limit is 413, anything else malformed (400)."""
     try:
         yield
-    except HTTPError:  # ours (a ValueError too): already answered
+    except HTTPError:  # ours: already answered
         raise
     except msgpack.exceptions.BufferFull:
         raise HTTPError(413, "body_too_large", f"the body exceeds this route's limit of "

@@ -22,6 +22,7 @@ from typing import Literal
 import numpy as np
 
 from remote_tier import RedisTier, RemoteTierError
+from tierstore.errors import UsageError
 from tierstore.service.kv_host import HostValues, Value, tenant_of
 from tierstore.service.quotas import ValueQuota
 
@@ -38,7 +39,7 @@ WRITE_BEHIND_BYTES = 256 << 20
 Reason = Literal["quota", "l3_refused", "l3_unavailable", "no_room"]
 
 
-class BadKeyError(ValueError):
+class BadKeyError(UsageError):
     """A key that is empty, too long or not printable ASCII."""
 
 

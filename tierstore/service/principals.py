@@ -27,6 +27,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from tierstore.errors import UsageError
 from tierstore.settings import parse_size
 
 if sys.version_info >= (3, 11):
@@ -46,7 +47,7 @@ _FIELDS = {"tokens", "namespaces", "read_only", "max_value_bytes", "max_prefix_p
            "max_reserved_bytes", "max_reservations"}
 
 
-class PrincipalsError(ValueError):
+class PrincipalsError(UsageError):
     """The principals file is missing, unreadable or malformed (the message says where)."""
 
 
