@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import http.client
 import json
+import random
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -415,3 +416,14 @@ def test_a_short_soak_of_two_tenants_sees_no_cross_tenant_bytes(redis_bin: str) 
     assert result["cross_tenant_values"] == 0 and result["cross_tenant_bytes"] == 0
     assert result["wrong_values"] == 0 and result["http_5xx"] == 0, result["errors"]
     assert result["verified"].get("values", 0) > 0 and result["verified"].get("kv_pages", 0) > 0
+
+
+def test_the_soak_counts_another_tenants_payload_as_cross_tenant_bytes() -> None:
+    tally = soak.Tally()
+    worker = soak.Worker(1, "http://unused", {"kv": 8, "swa": 8, "state": 8}, tally,
+                         random.Random(0), tenants=2)
+    assert (worker.tenant, worker.ns) == (1, "soak-w0")
+    theirs = worker.value("k", tenant=0)
+    tally.check("values", theirs, worker.value("k"), lambda: [theirs])
+    assert (tally.cross_tenant_values, tally.cross_tenant_bytes) == (1, len(theirs))
+    assert tally.wrong_values == 1
