@@ -50,8 +50,9 @@ _launcher_lock = threading.Lock()
 
 
 def _forget_launcher() -> None:
-    global _launcher
-    _launcher = None  # a forked child inherits no threads
+    global _launcher, _launcher_lock
+    _launcher = None  # a forked child inherits no threads,
+    _launcher_lock = threading.Lock()  # and maybe a lock another thread held at the fork
 
 
 os.register_at_fork(after_in_child=_forget_launcher)
