@@ -124,6 +124,23 @@ def test_private_server_refuses_clients_without_the_password(private: RedisServe
         assert _connect_as_nobody(path) == "denied"
 
 
+def test_private_server_falls_back_to_loopback_tcp_with_the_password(
+        redis_bin: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A temp dir too long for a unix socket path: loopback TCP, still password-protected."""
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    with caplog.at_level("WARNING"), RedisServer(private=True) as server:
+        assert server.socket_path is None and server.port > 0
+        assert any("loopback TCP" in r.getMessage() for r in caplog.records)
+        address = ("127.0.0.1", server.port)
+        assert command(address, "SET", "k", "forged").startswith(b"-NOAUTH")
+        assert server.command("CONFIG", "GET", "protected-mode").endswith(b"yes\r\n")
+        assert RemoteTierConfig(url=server.url).endpoint().password is not None
+        assert server.command("SET", "k", "v") == b"+OK\r\n"
+
+
 async def test_tier_reads_and_writes_over_the_socket_with_the_password(
         private: RedisServer) -> None:
     config = RemoteTierConfig(url=private.url, key_prefix="emb", op_timeout_s=5.0)
