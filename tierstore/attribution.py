@@ -261,15 +261,22 @@ class Attribution:
         evicted = dict.fromkeys(HIT_TIERS, 0)
         tenants: dict[str, dict[str, dict[str, int]]] = {}
         for (tenant, outcome, tier), n in self.totals.items():
-            t = tenants.setdefault(tenant, {"hit": {}, "lost": {}})
+            t = tenants.setdefault(tenant, {"hit": {}, "lost": {}, "evicted_from": {}})
             if outcome == "hit":
                 hit[tier] += n
-                t["hit"][tier] = t["hit"].get(tier, 0) + n
+                _add(t["hit"], tier, n)
             else:
                 lost[outcome] += n
-                t["lost"][outcome] = t["lost"].get(outcome, 0) + n
+                _add(t["lost"], outcome, n)
                 if outcome == "evicted":
                     evicted[tier] += n
+                    _add(t["evicted_from"], tier, n)
         return {"hit": hit, "lost": lost, "evicted_from": evicted, "tenants": tenants,
                 "ghost": {"entries": len(self.ghost), "capacity": self.ghost.capacity},
                 "warnings": self.warnings}
+
+
+def match_fields(lost: Counts, evicted_from: Counts) -> dict[str, Counts]:
+    """The optional fields a match reply carries: ``lost`` tokens by reason and
+    ``evicted_from`` by tier (with the reply's ``tiers``, they sum to the prompt length)."""
+    return {"lost": dict(lost), "evicted_from": dict(evicted_from)}

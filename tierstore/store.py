@@ -27,6 +27,7 @@ from tierstore.hashing import PageHasher, check_namespace
 from tierstore.layout import ModelLayout
 from tierstore.ledger import Ledger
 from tierstore.movement import Mover
+from tierstore.mrc import shadow_for
 from tierstore.radix import CHECKPOINT, Node, RadixIndex, Segment, Tier
 from tierstore.remote import RemoteBridge
 from tierstore.results import (
@@ -84,6 +85,7 @@ class TierStore:
             retention = "window" if layout.state is not None else "all"
         self._swa_window_only = retention == "window"
         self._tick = 0
+        self.mrc = shadow_for(self)  # what 0.5x-4x of each tier would hit
 
     def close(self) -> None:
         """Stop the L3 connection thread (the arenas need no closing)."""
@@ -119,6 +121,7 @@ class TierStore:
             else:
                 prefetch.discover(keys, timeout)
         self.ledger.queried(len(toks))
+        self.mrc.reference(keys, len(toks))
         tiers: tuple[int, ...] = (1, 2) if best_effort else (1, 2, 3)
         full = None  # pages the rule allows counting every tier (for attribution)
         if best_effort and prefetch is not None:
@@ -348,6 +351,7 @@ class TierStore:
             ids = self._store_bytes(kind, data, mask)
             lists[kind] = ids if kind != CHECKPOINT or ids[0] >= 0 else None
         result, end = self._link(keys, path, lists, n_pages, cached, priority)
+        self.mrc.insert(keys, lists["state"] is not None)
         if self.config.write_policy == "write_through" and end is not self.index.root:
             for node in self.index.path_to(end):
                 self.mover.backup(node)
@@ -448,7 +452,7 @@ class TierStore:
                           dict(ledger.hit_requests), dict(ledger.moved),
                           self.host.arena.stats() if self.host else None,
                           self.remote.stats() if self.remote else None,
-                          attribution=self.attribution.snapshot())
+                          attribution=self.attribution.snapshot(), mrc=self.mrc.curves())
 
     def check_integrity(self) -> None:
         """Raise IntegrityError if the arena, the index (its eviction queues included) or their

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 
@@ -78,10 +79,28 @@ def summarize(name: str, figures: Mapping[str, object], series: Series,
         "prefill_saved_fraction": saved["total"] / full_prefill if full_prefill else 0.0,
         "wall_s": series.wall_s[name],
     }
-    for extra in ("l3", "redis", "latency_ms"):
+    for extra in ("l3", "redis", "latency_ms", "mrc"):
         if extra in figures:
             row[extra] = figures[extra]
+    if "attribution" in figures:
+        row["tokens"] = _tokens(name, figures["attribution"], by_tier, prompt,  # type: ignore[arg-type]
+                                len(hits))
     return row
+
+
+def _tokens(name: str, attribution: Mapping[str, Any], by_tier: Mapping[str, int],
+            prompt: int, requests: int) -> dict[str, Any]:
+    """Prompt tokens by outcome: ``hit`` by tier and ``lost`` by reason (``evicted_from`` by
+    tier), summing to the prompt tokens. A lookup covers ``prompt[:-1]`` (an engine computes
+    the last token whatever is cached): that token is counted with the tail, ``partial_page``."""
+    hit = {t: int(n) for t, n in attribution["hit"].items()}
+    lost = {r: int(n) for r, n in attribution["lost"].items()}
+    lost["partial_page"] = lost.get("partial_page", 0) + requests
+    assert hit == {t: by_tier.get(t, 0) for t in hit}, f"{name}: attribution hits != ledger"
+    assert sum(hit.values()) + sum(lost.values()) == prompt, \
+        f"{name}: {sum(hit.values())} hit + {sum(lost.values())} lost != {prompt} prompt tokens"
+    return {"prompt": prompt, "hit": hit, "lost": lost,
+            "evicted_from": dict(attribution["evicted_from"])}
 
 
 def windowed(series: Series, name: str, window_s: float) -> list[tuple[float, float]]:

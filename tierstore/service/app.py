@@ -25,6 +25,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from remote_tier import RedisTier, RemoteTierConfig, RemoteUnavailable
+from tierstore.attribution import match_fields
 from tierstore.errors import LeaseError, NamespaceError, ShapeError, TokenError
 from tierstore.hashing import as_tokens
 from tierstore.layout import LayoutError
@@ -260,7 +261,8 @@ class Service:
         return web.json_response({
             "matched_tokens": result.tokens, "pages": result.pages,
             "checkpoint": result.tokens if result.state is not None else None,
-            "kv_pages_found": result.kv_pages_found, "tiers": result.tiers, "lease": lease_id})
+            "kv_pages_found": result.kv_pages_found, "tiers": result.tiers, "lease": lease_id,
+            **match_fields(result.lost, result.evicted_from)})
 
     async def fetch(self, request: web.Request) -> web.StreamResponse:
         body = await read_body(request)

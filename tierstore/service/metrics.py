@@ -4,7 +4,7 @@ latency histograms observed by the app's middleware."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram
@@ -48,6 +48,10 @@ class StoreCollector(Collector):
             moved.add_metric([direction], n)
         yield moved
         yield _evictions(s)
+        if s.attribution is not None:
+            yield _prompt_tokens(s.attribution)
+        if s.mrc is not None:
+            yield _mrc(s.mrc)
         occupancy = GaugeMetricFamily("tierstore_arena_bytes", "Arena bytes by tier, pool, state",
                                       labels=["tier", "pool", "state"])
         edges = GaugeMetricFamily("tierstore_arena_band_edge_bytes", "Band edges (byte offsets)",
@@ -93,6 +97,34 @@ def _evictions(s: StoreStats) -> CounterMetricFamily:
     family = CounterMetricFamily("tierstore_evictions", "Leaves evicted (demoted) from L1",
                                  labels=["rule"])
     family.add_metric([s.rule], s.evictions)
+    return family
+
+
+def _prompt_tokens(attribution: Mapping[str, Any]) -> CounterMetricFamily:
+    """Every matched prompt token once: ``outcome`` hit (``tier`` served it) or a lost reason
+    (``tier`` dropped it, for evicted ones; empty otherwise), per ``tenant``."""
+    family = CounterMetricFamily("tierstore_prompt_tokens", "Prompt tokens of matches by "
+                                 "outcome: hit (by tier) or lost (by reason)",
+                                 labels=["outcome", "tier", "tenant"])
+    for tenant, t in sorted(attribution["tenants"].items()):
+        for tier, n in t["hit"].items():
+            family.add_metric(["hit", tier, tenant], n)
+        for reason, n in t["lost"].items():
+            if reason != "evicted":
+                family.add_metric([reason, "", tenant], n)
+        for tier, n in t["evicted_from"].items():
+            family.add_metric(["evicted", tier, tenant], n)
+    return family
+
+
+def _mrc(mrc: Mapping[str, Any]) -> GaugeMetricFamily:
+    """The estimated share of prompt tokens each tier would serve at a multiple of its size."""
+    family = GaugeMetricFamily("tierstore_mrc_hit_rate", "Estimated share of prompt tokens a "
+                               "tier would serve at a multiple of its size (miss-ratio curve)",
+                               labels=["tier", "multiple"])
+    for tier, curve in mrc["tiers"].items():
+        for m, rate in zip(mrc["multiples"], curve["hit_rate"], strict=True):
+            family.add_metric([tier, f"{m:g}"], rate)
     return family
 
 
