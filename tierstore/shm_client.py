@@ -178,10 +178,17 @@ class SharedMemoryTransport:
         """Reserve ranges for values of ``sizes``, let ``source(i, view)`` fill each (a
         ``uint8`` view of exactly ``sizes[i]`` bytes), then commit; per key whether the
         service holds it now. A key whose range could not be reserved is False (send it over
-        HTTP). If ``source`` raises, the reservation is aborted and nothing becomes visible."""
-        reply = self._call("/v1/storage/shm_reserve", {
-            "keys": list(keys), "sizes": [int(n) for n in sizes], "namespace": namespace,
-            "segment": self.segment.name})
+        HTTP; so is every key while this principal holds its quota of reservations, or the
+        service all it keeps). If ``source`` raises, the reservation is aborted and nothing
+        becomes visible."""
+        try:
+            reply = self._call("/v1/storage/shm_reserve", {
+                "keys": list(keys), "sizes": [int(n) for n in sizes], "namespace": namespace,
+                "segment": self.segment.name})
+        except ServiceError as exc:
+            if exc.error in ("reservation_quota", "reservations_full"):
+                return [False] * len(keys)
+            raise
         res_id, buf = reply["reservation"], self.segment.tensor
         try:
             for i, slot in enumerate(reply["slots"]):

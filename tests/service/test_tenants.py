@@ -32,6 +32,7 @@ from tierstore.service.app import Service
 from tierstore.service.config import ServiceConfig
 from tierstore.service.principals import Principals, PrincipalsError, hash_token, new_token
 from tierstore.service.quotas import ENTRY_OVERHEAD
+from tierstore.shm_client import SharedMemoryTransport
 from tierstore.store import TierStore
 from tierstore.testing.redis_server import RedisServer
 from tierstore.testing.reference_model import tiny_layout
@@ -427,3 +428,37 @@ def test_the_soak_counts_another_tenants_payload_as_cross_tenant_bytes() -> None
     tally.check("values", theirs, worker.value("k"), lambda: [theirs])
     assert (tally.cross_tenant_values, tally.cross_tenant_bytes) == (1, len(theirs))
     assert tally.wrong_values == 1
+
+
+@needs_shm
+def test_past_its_reservation_quota_the_shm_client_falls_back_to_http() -> None:
+    running = start_open(reservations_per_principal=1)
+    try:
+        with Client(running.url, retries=0) as c:
+            transport = SharedMemoryTransport.attach(c)
+            try:
+                held = c.call("/v1/storage/shm_reserve", {"keys": ["k"], "sizes": [8],
+                                                          "segment": segment_of(c)})
+                assert transport.batch_set(["a", "b"], [b"1", b"2"]) == [False, False]
+                c.batch_set(["a", "b"], [b"1", b"2"])  # what the caller does next
+                assert transport.batch_get(["a", "b"]) == [b"1", b"2"]
+                c.call("/v1/storage/shm_abort", {"reservation": held["reservation"]})
+                assert transport.batch_set(["c"], [b"3"]) == [True]
+            finally:
+                transport.close()
+    finally:
+        running.stop()
+
+
+def test_the_principals_cli_prints_a_token_and_its_hash(capsys: pytest.CaptureFixture[str],
+                                                        tmp_path: Path) -> None:
+    from tierstore.cli import main
+
+    assert main(["principals", "token"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    token = out[0].rsplit(" ", 1)[1]
+    assert out[1] == f'tokens = ["{hash_token(token)}"]'
+    path = tmp_path / "p.toml"
+    path.write_text(f'[tenants.a]\n{out[1]}\nnamespaces = ["x"]\n')
+    assert main(["principals", "check", str(path)]) == 0
+    assert Principals.load(path).lookup(token.encode()) is not None
