@@ -16,7 +16,9 @@ layout), ``wire`` (header + checksum, whole or split values), ``breaker`` (circu
 (receive buffer reuse), ``router`` (key → node, per-key commands over all nodes), ``split``
 (a payload as parts, and parts back into a payload), ``writes`` (a put batch, parts before
 heads), ``reads`` (a get batch's bookkeeping), ``stats`` (counters), ``store``
-(``RedisTier``).
+(``RedisTier``). The embedded server: ``embedded`` (find the binary, start a private or a
+loopback server), ``embedded_cluster`` (three of them as a cluster), ``lifetime`` (children
+that die with this process, directories of dead owners swept).
 """
 
 from remote_tier.config import RemoteTierConfig
