@@ -15,6 +15,7 @@ import redis
 
 from remote_tier import wire
 from remote_tier.config import RemoteTierConfig
+from remote_tier.errors import ValueTooLarge
 from remote_tier.keys import envelope_key
 from remote_tier.mac import (
     MIN_SECRET_BYTES,
@@ -233,3 +234,12 @@ async def test_a_real_header_on_other_bytes_fails_the_mac(server: RedisServer) -
         client.set(_key(1), value[:size] + bytes(len(payload)))
         assert await tier.get_many([_key(1)]) == [None]
         assert tier.stats().num_mac_failures == 1 and client.exists(_key(1)) == 0
+
+
+async def test_a_value_too_large_raises_from_the_hashing_threads(server: RedisServer) -> None:
+    config = RemoteTierConfig(url=server.url, key_prefix="t", max_value_bytes=1 << 18,
+                              chunk_bytes=0, mac_key=SECRET)
+    async with RedisTier(config) as tier:
+        with pytest.raises(ValueTooLarge, match="max_value_bytes is 262144"):
+            await tier.put_many([(_key(1), b"small"), (_key(2), os.urandom(300_000))])
+    assert _sync(server).dbsize() == 0
