@@ -179,3 +179,15 @@ def test_names_with_a_newline_are_400(name: str) -> None:
             c.batch_set([name], [b"v"])
         assert (err.value.status, err.value.error) == (400, "bad_key")
         assert c.batch_exists(["tenantB"]) == 0
+
+
+def test_a_large_batch_set_still_goes_through_the_host_segment() -> None:
+    """A 12 MiB batch (over the 4 MiB that kv copies off the loop into reserved ranges of the
+    host segment, then publishes) streamed in chunks reads back byte for byte."""
+    values = [bytes([i]) * (3 << 20) + bytes(range(256)) for i in range(4)]
+    with _service(kv_host_bytes=32 << 20, shm=True) as svc, \
+            Client(svc.url, retries=0, timeout_s=60) as c:
+        assert c.batch_set([f"k{i}" for i in range(4)], values) == [True] * 4
+        assert c.batch_get([f"k{i}" for i in range(4)]) == values
+        assert _limits(svc).budget.used == 0
+        svc.service.kv.host.check_integrity()
