@@ -69,3 +69,12 @@ def test_bench_split_json(redis_bin: str, capsys: pytest.CaptureFixture[str]) ->
     (row,) = last_json(capsys)["rows"]
     assert row["topology"] == "standalone" and row["size_mib"] == 17
     assert min(row["split_put"], row["whole_put"], row["split_get"], row["whole_get"]) > 0
+
+
+def test_bench_mac_json(redis_bin: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """256 KiB values (handed to the hashing threads) through every tag; ratios reported."""
+    assert main(["bench", "mac", "--sizes", "256K", "--rounds", "1", "--total-mb", "4",
+                 "--keyspace-mb", "2", "--callers", "2", "--batch", "2", "--json"]) == 0
+    (row,) = last_json(capsys)["rows"]
+    assert row["size_kib"] == 256 and min(row["blake3_get"], row["nomac_get"]) > 0
+    assert row["blake3_get_vs_nomac"] is not None and row["blake3_put_loop_vs_xxh3"] is not None
