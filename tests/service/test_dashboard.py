@@ -219,6 +219,7 @@ def check_page(page: Page, expected: dict[str, Any]) -> None:
         assert int(page.paths[("chart-moves", direction)]["data-points"]) >= 1
     for kind, n in expected["evicted_blocks"].items():
         assert page.number(f"evicted_blocks.{kind}") == n
+    check_outcomes(page, expected)
     for tier, arena in (("l1", expected["arena"]), ("l2", expected["host"])):
         assert page.number(f"arena.{tier}.capacity_bytes") == arena["capacity_bytes"]
         assert page.number(f"arena.{tier}.gap_bytes") == arena["gap_bytes"]
@@ -240,6 +241,31 @@ def check_page(page: Page, expected: dict[str, Any]) -> None:
             assert bool(live) == (p["live_bytes"] > 0)
 
 
+def check_outcomes(page: Page, expected: dict[str, Any]) -> None:
+    """The attribution panel: every outcome's tokens and share, its chart's first point, and
+    the miss-ratio curves, as /v1/stats has them."""
+    attribution, queried = expected["attribution"], expected["tokens_queried"]
+    outcomes = {f"hit.{t}": n for t, n in attribution["hit"].items()}
+    outcomes |= {f"lost.{r}": n for r, n in attribution["lost"].items()}
+    assert sum(outcomes.values()) == queried  # every queried token is one outcome
+    for key, n in outcomes.items():
+        assert page.number(f"outcome.{key}") == n, key
+        assert page.number(f"outcome_share.{key}") == pytest.approx(n / queried), key
+        path = page.paths[("chart-outcomes", key)]
+        assert float(path["data-first"]) == pytest.approx(n / queried), key
+        assert path["data-points"] == "1"
+    mrc = expected["mrc"]
+    assert set(mrc["tiers"]) == {"l1", "l2"}
+    for tier, curve in mrc["tiers"].items():
+        path = page.paths[("chart-mrc", tier)]
+        assert int(path["data-points"]) == len(mrc["multiples"])
+        drawn = [float(v) for v in path["data-values"].split(",")]
+        assert drawn == pytest.approx(curve["hit_rate"])
+        for m, rate in zip(mrc["multiples"], curve["hit_rate"], strict=True):
+            assert page.number(f"mrc.{tier}.{m:g}") == pytest.approx(rate)
+    assert page.number("mrc.rate") == pytest.approx(mrc["sampling"]["rate"])
+
+
 def test_dashboard_matches_stats(chromium: str, served: tuple, tmp_path: Path) -> None:
     url, _, expected = served
     # The workload must have exercised what the page shows.
@@ -247,6 +273,8 @@ def test_dashboard_matches_stats(chromium: str, served: tuple, tmp_path: Path) -
     assert expected["evictions"] > 0 and expected["tokens_hit"] < expected["tokens_queried"]
     assert expected["moved_bytes"]["l1_to_l2"] > 0 and expected["moved_bytes"]["l2_to_l1"] > 0
     assert expected["host"] is not None
+    lost = expected["attribution"]["lost"]
+    assert lost["cold"] > 0 and lost["partial_page"] > 0  # losses for the panel to show
     page = Page(browse(chromium, f"{url}/dashboard", tmp_path))
     after = stats(url)
     assert store_part(after) == store_part(expected), "the store changed while the page polled"
