@@ -191,3 +191,20 @@ def test_a_large_batch_set_still_goes_through_the_host_segment() -> None:
         assert c.batch_get([f"k{i}" for i in range(4)]) == values
         assert _limits(svc).budget.used == 0
         svc.service.kv.host.check_integrity()
+
+
+@pytest.mark.parametrize("step", [1, 3, 7, 4096])
+def test_msgpack_decoded_from_any_chunking_is_the_same(step: int) -> None:
+    """The streaming decoder resumes where each chunk ended: any split of a body decodes to
+    what ``unpackb`` gives, and bytes after the object are refused."""
+    from tierstore.service.body import HTTPError, RouteLimits, _MsgpackStream
+
+    raw = msgpack.packb({"keys": ["a", "bé" * 40], "values": [b"\x00" * 300, b""],
+                         "n": [2**40, -1, 1.5, None, True], "m": {"x": {"y": [1]}}})
+    stream = _MsgpackStream(RouteLimits(1 << 20, 1 << 20, max_array=8))
+    for start in range(0, len(raw), step):
+        stream.feed(raw[start:start + step])
+    assert stream.result() == msgpack.unpackb(raw)
+    with pytest.raises(HTTPError) as err:
+        stream.feed(b"\x01")
+    assert (err.value.status, err.value.error) == (400, "malformed_body")
