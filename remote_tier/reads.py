@@ -177,6 +177,8 @@ class ReadBatch:
         except CorruptValue as exc:
             kind = "old_format" if isinstance(exc, OldFormat) else "corrupt"
             self._counters.anomaly(kind, parts.kind, f"{exc} at {key_b[:80]!r}")
+            if isinstance(exc, wire.OldSplit):
+                doomed = [part_key(key_b, i) for i in range(1, exc.num_parts)]
             return doomed
         if out is not None:  # a value whose header size was unexpected came in whole
             if len(payload) != len(out):

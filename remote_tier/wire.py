@@ -46,6 +46,14 @@ _NUM_FIELDS = {FORMAT_VERSION: 5, SPLIT_FORMAT_VERSION: 7}
 BAD_TAG = "MAC mismatch (damaged, forged, another key's value, or another secret)"
 
 
+class OldSplit(OldFormat):
+    """The head of a split value in format 4: its other ``num_parts - 1`` parts go with it."""
+
+    def __init__(self, message: str, num_parts: int) -> None:
+        super().__init__(message)
+        self.num_parts = num_parts
+
+
 class BadTag(CorruptValue):
     """A value whose MAC tag does not verify: damaged, forged, written under another key, or
     written with another deployment's secret."""
@@ -151,7 +159,11 @@ def read_header(value: memoryview) -> tuple[Header, int]:
     version = fields[0]
     want = _NUM_FIELDS.get(version) if _is_count(version) else None
     if version in OLD_VERSIONS and _is_count(version):
-        raise OldFormat(f"format version {version} (an unkeyed checksum, before the MAC)")
+        why = f"format version {version} (an unkeyed checksum, before the MAC)"
+        parts = fields[6] if version == 4 and len(fields) == 7 else 0
+        if _is_count(parts) and 2 <= parts <= MAX_PARTS:
+            raise OldSplit(why, parts)
+        raise OldFormat(why)
     if want is None:
         raise CorruptValue(
             f"format version {version!r}, expected {FORMAT_VERSION} or {SPLIT_FORMAT_VERSION}"

@@ -9,6 +9,7 @@ import stat
 from pathlib import Path
 
 import blake3
+import msgpack
 import numpy as np
 import pytest
 import redis
@@ -243,3 +244,16 @@ async def test_a_value_too_large_raises_from_the_hashing_threads(server: RedisSe
         with pytest.raises(ValueTooLarge, match="max_value_bytes is 262144"):
             await tier.put_many([(_key(1), b"small"), (_key(2), os.urandom(300_000))])
     assert _sync(server).dbsize() == 0
+
+
+async def test_an_old_split_value_goes_with_all_its_parts(server: RedisServer) -> None:
+    """A format-4 split value (unkeyed checksum) is a miss; its head and parts are deleted."""
+    client = _sync(server)
+    key = _key(1)
+    for i in range(3):
+        header = msgpack.packb([4, "kv", "fp1", 3000, bytes(8), i, 3], use_bin_type=True)
+        client.set(key if i == 0 else f"{key} #{i}", header + bytes(1000))
+    async with RedisTier(_config(server, SECRET)) as tier:
+        assert await tier.get_many([key]) == [None]
+        assert tier.stats().errors == {"old_format": 1}
+    assert client.dbsize() == 0
