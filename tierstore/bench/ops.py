@@ -1,17 +1,24 @@
 """Per-request cost of the core as the cache grows: an engine-shaped loop at 10³-10⁶ pages.
 
-Each request is a prompt of a shared prefix (``--shared-pages``) plus private pages
-(``--private-pages``) of ``--page-size`` tokens. Like an engine's scheduler, the loop calls
-``match`` (the shared prefix hits), ``allocate`` for the pages the match did not cover (plus a
-state checkpoint for hybrid layouts), ``insert`` with only those new blocks, and ``release``.
-The cache is first filled until it evicts; then ``--requests`` requests are timed, per
-operation (``evict`` is the part of ``allocate`` spent choosing and demoting victims).
+Each request is one of ``--prefixes`` shared prefixes (``--shared-pages`` each) plus private
+pages (``--private-pages``) of ``--page-size`` tokens. Like an engine's scheduler, the loop
+calls ``match`` (the shared prefix hits), ``allocate`` for the pages the match did not cover
+(KV, SWA for layouts with sliding-window layers, and a state checkpoint for hybrid layouts),
+``insert`` with only those new blocks, and ``release``. Two phases are timed per size: *fill*,
+from an empty cache (the prefixes cached) to the first eviction, and *steady*, ``--requests``
+requests after it, per operation (``evict`` is the part of ``allocate`` spent choosing and
+demoting victims). ``moved_per_allocated`` is the bytes compaction copied per byte allocated
+during fill.
 
 In the same run, a floor: a plain ``dict`` of chained page hashes with an ``OrderedDict`` LRU
 and a free list doing the same bookkeeping (hash once, walk, evict the oldest, hand out ids),
-without the hybrid rule, tiers or an arena. ``growth`` is µs per request at the largest size
-divided by µs at the smallest; times are the calling thread's CPU time. The device is ``meta``
-(accounting only); one extra row (``--real-pages``) runs a scaled layout on real CPU bytes.
+without the hybrid rule, tiers or an arena. With ``--vs vllm,sglang`` the same prompts also go
+through vLLM's ``KVCacheManager`` (hybrid and one-group) and SGLang's ``RadixCache`` where they
+import (:mod:`tierstore.bench._ops_vs`; skipped with the reason where not). Systems take turns
+of ``--turn`` requests (interleaved, so load on a shared machine hits all alike); times are the
+calling thread's CPU time. ``growth`` is µs per request at the largest size over the smallest.
+The device is ``meta`` (accounting only); one extra row (``--real-pages``) runs a scaled layout
+on real CPU bytes.
 """
 
 from __future__ import annotations
@@ -19,10 +26,12 @@ from __future__ import annotations
 import argparse
 import time
 from collections import OrderedDict
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
 
+from tierstore.bench._ops_vs import ENGINES, System, make_systems
 from tierstore.bench._util import ratio, table
 from tierstore.config import StoreConfig
 from tierstore.hashing import PageHasher
@@ -37,30 +46,50 @@ _now = time.thread_time
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="qwen3-next-80b-a3b", choices=preset_names())
+    parser.add_argument("--model", default="gpt-oss-20b", choices=preset_names())
     parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--sizes", default="1000,10000,100000,1000000",
+    parser.add_argument("--sizes", default="2000,50000,500000",
                         help="cached pages at which to measure (comma-separated)")
-    parser.add_argument("--requests", type=int, default=2000, help="timed requests per size")
+    parser.add_argument("--requests", type=int, default=2000,
+                        help="timed steady-state requests per size")
     parser.add_argument("--shared-pages", type=int, default=8)
+    parser.add_argument("--prefixes", type=int, default=8, help="distinct shared prefixes")
     parser.add_argument("--private-pages", type=int, default=24)
     parser.add_argument("--real-pages", type=int, default=10000,
                         help="cached pages of the real-CPU-bytes row (0: skip it)")
+    parser.add_argument("--vs", default="",
+                        help=f"engines to run the same loop through ({','.join(ENGINES)})")
+    parser.add_argument("--turn", type=int, default=50,
+                        help="requests per system per turn when systems interleave")
     parser.add_argument("--seed", type=int, default=0)
+
+
+class Prompts:
+    """The request stream: a random shared prefix plus random private pages."""
+
+    def __init__(self, page: int, shared: int, private: int, prefixes: int, seed: int) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.page, self.private = page, private
+        self.prefixes = [self.rng.integers(0, 150_000, shared * page, dtype=np.int64)
+                         for _ in range(prefixes)]
+
+    def __next__(self) -> np.ndarray:
+        shared = self.prefixes[int(self.rng.integers(len(self.prefixes)))]
+        tail = self.rng.integers(0, 150_000, self.private * self.page, dtype=np.int64)
+        return np.concatenate([shared, tail])
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return self
 
 
 class EngineLoop:
     """Drives one store with the requests of the module docstring and times each call."""
 
-    def __init__(self, store: TierStore, shared: int, private: int, seed: int,
-                 prefixes: int = 1) -> None:
+    name = "tierstore"
+
+    def __init__(self, store: TierStore) -> None:
         self.store = store
         self.page = store.layout.page_size
-        rng = np.random.default_rng(seed)
-        self.rng = rng
-        self.prefixes = [rng.integers(0, 150_000, shared * self.page, dtype=np.int64)
-                         for _ in range(prefixes)]
-        self.private = private
         self.state = "state" in store.kinds
         self.swa = "swa" in store.kinds
         self.seconds = dict.fromkeys(OPS, 0.0)
@@ -77,20 +106,15 @@ class EngineLoop:
 
         store.mover.make_room = timed  # type: ignore[method-assign]
 
-    def prompt(self) -> np.ndarray:
-        shared = self.prefixes[int(self.rng.integers(len(self.prefixes)))]
-        tail = self.rng.integers(0, 150_000, self.private * self.page, dtype=np.int64)
-        return np.concatenate([shared, tail])
-
     def demand(self, pages: int) -> dict[str, int]:
         """Blocks a request computing ``pages`` new pages asks for."""
         return {"kv": pages, **({"swa": pages} if self.swa else {}),
                 **({"state": 1} if self.state else {})}
 
-    def warm(self) -> None:
+    def warm(self, prefixes: list[np.ndarray]) -> None:
         """Cache the shared prefixes with their checkpoints (the system prompts)."""
         store = self.store
-        for shared in self.prefixes:
+        for shared in prefixes:
             got = store.allocate(self.demand(len(shared) // self.page))
             assert got is not None, "the arena cannot hold even the shared prefixes"
             store.insert(shared, kv=got["kv"], swa=got["swa"] if self.swa else None,
@@ -117,14 +141,20 @@ class EngineLoop:
         for op, s in zip(OPS, (t1 - t0, t2 - t1 - evict, t3 - t2, t4 - t3, evict), strict=True):
             self.seconds[op] += s
 
+    def evictions(self) -> int:
+        return self.store.stats().evictions
+
 
 class DictFloor:
     """The floor: chained page hashes in an OrderedDict (LRU order) over a free list of ids."""
+
+    name = "floor"
 
     def __init__(self, hasher: PageHasher, capacity_pages: int) -> None:
         self.hasher = hasher
         self.pages: OrderedDict[bytes, int] = OrderedDict()
         self.free = list(range(capacity_pages))
+        self._evictions = 0
 
     def step(self, prompt: np.ndarray) -> None:
         keys = self.hasher.pages(prompt.astype("<u4"), "default")
@@ -137,8 +167,12 @@ class DictFloor:
         need = len(keys) - hit
         while len(self.free) < need:
             self.free.append(self.pages.popitem(last=False)[1])
+            self._evictions += 1
         for k in keys[hit:]:
             self.pages[k] = self.free.pop()
+
+    def evictions(self) -> int:
+        return self._evictions
 
 
 def _store(layout: ModelLayout, pages: int, per_request: int, device: str) -> TierStore:
@@ -149,66 +183,148 @@ def _store(layout: ModelLayout, pages: int, per_request: int, device: str) -> Ti
     return TierStore(layout, StoreConfig(capacity_bytes=capacity, device=device))
 
 
-def _measure(layout: ModelLayout, pages: int, args: argparse.Namespace, device: str
-             ) -> dict[str, Any]:
-    """One row: fill a store of ``pages`` cached pages, then time the loop and the floor on
-    the same prompts."""
-    per_request = args.private_pages
-    store = _store(layout, pages, per_request, device)
-    loop = EngineLoop(store, args.shared_pages, per_request, args.seed)
-    loop.warm()
-    fill = 0
-    while store.stats().evictions == 0:
-        loop.step(loop.prompt())
-        fill += 1
-    loop.seconds = dict.fromkeys(OPS, 0.0)
-    prompts = [loop.prompt() for _ in range(args.requests)]
-    evictions = store.stats().evictions
-    for p in prompts:
-        loop.step(p)
-    evictions = store.stats().evictions - evictions
-    n = args.requests
+class _Clock:
+    """CPU seconds and requests per system, per phase."""
+
+    def __init__(self, systems: list[System]) -> None:
+        self.seconds = {s.name: 0.0 for s in systems}
+        self.requests = {s.name: 0 for s in systems}
+
+    def run(self, system: System, prompts: list[np.ndarray]) -> None:
+        step = system.step
+        start = _now()
+        for p in prompts:
+            step(p)
+        self.seconds[system.name] += _now() - start
+        self.requests[system.name] += len(prompts)
+
+    def us(self, name: str) -> float | None:
+        n = self.requests[name]
+        return self.seconds[name] / n * 1e6 if n else None
+
+
+def _measure(layout: ModelLayout, pages: int, args: argparse.Namespace, device: str,
+             engines: list[str]) -> dict[str, Any]:
+    """One row: fill each system from empty to the store's first eviction, then time the
+    steady state, all on the same prompts, systems taking turns."""
+    store = _store(layout, pages, args.private_pages, device)
+    loop = EngineLoop(store)
     hasher = PageHasher(layout.name, layout.fingerprint, layout.page_size, memo_bytes=0)
-    floor = DictFloor(hasher, store.index.num_pages or pages)
-    for _ in range(fill + 1):
-        floor.step(loop.prompt())
-    start = _now()
-    for p in prompts:
-        floor.step(p)
-    floor_us = (_now() - start) / n * 1e6
+    floor = DictFloor(hasher, pages)
+    others, skipped = make_systems(engines, layout, pages) if engines else ([], {})
+    systems: list[System] = [loop, floor, *others]
+    prompts = Prompts(layout.page_size, args.shared_pages, args.private_pages, args.prefixes,
+                      args.seed)
+    loop.warm(prompts.prefixes)
+    for system in systems[1:]:
+        for shared in prompts.prefixes:
+            system.step(shared)
+    fill, fill_requests = _Clock(systems), 0
+    before = store.arena.stats()
+    while loop.evictions() == 0:  # the store leads each turn; the others follow its prompts
+        turn = [next(prompts) for _ in range(args.turn)]
+        start = _now()
+        for i, p in enumerate(turn):
+            loop.step(p)
+            if loop.evictions():
+                turn = turn[: i + 1]
+                break
+        fill.seconds[loop.name] += _now() - start
+        fill.requests[loop.name] += len(turn)
+        fill_requests += len(turn)
+        for system in systems[1:]:
+            fill.run(system, turn)
+    after = store.arena.stats()
+    fill_ops = {op: s / fill_requests * 1e6 for op, s in loop.seconds.items()}
+    loop.seconds = dict.fromkeys(OPS, 0.0)
+    evictions = loop.evictions()
+    steady = _Clock(systems)
+    left = args.requests
+    while left > 0:
+        turn = [next(prompts) for _ in range(min(args.turn, left))]
+        left -= len(turn)
+        for system in systems:
+            steady.run(system, turn)
+    n = args.requests
     per_op = {op: s / n * 1e6 for op, s in loop.seconds.items()}
-    total = sum(per_op.values())
     store.check_integrity()
-    return {"pages": pages, "cached_pages": store.index.num_pages, "device": device,
-            "us_per_request": total, **{f"us_{op}": v for op, v in per_op.items()},
-            "evictions_per_request": evictions / n, "failed": loop.failed,
-            "floor_us_per_request": floor_us, "vs_floor": ratio(total, floor_us)}
+    moved = after.moved_bytes - before.moved_bytes
+    allocated = after.allocated_bytes - before.allocated_bytes
+    row: dict[str, Any] = {
+        "pages": pages, "cached_pages": store.index.num_pages, "device": device,
+        "fill_requests": fill_requests, "fill_us_per_request": fill.us(loop.name),
+        **{f"fill_us_{op}": v for op, v in fill_ops.items()},
+        "moved_per_allocated": ratio(moved, allocated),
+        "us_per_request": steady.us(loop.name), **{f"us_{op}": v for op, v in per_op.items()},
+        "evictions_per_request": (loop.evictions() - evictions) / n, "failed": loop.failed,
+        "floor_us_per_request": steady.us(floor.name),
+        "vs_floor": ratio(steady.us(loop.name), steady.us(floor.name)),
+        "systems": {s.name: {"fill_us_per_request": fill.us(s.name),
+                             "us_per_request": steady.us(s.name),
+                             "evictions": s.evictions()} for s in systems},
+        "skipped": skipped,
+    }
+    for s in others:
+        row[f"vs_{s.name}"] = ratio(steady.us(loop.name), steady.us(s.name))
+        row[f"fill_vs_{s.name}"] = ratio(fill.us(loop.name), fill.us(s.name))
+    return row
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     layout = load_preset(args.model, page_size=args.page_size)
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
-    rows = [_measure(layout, s, args, "meta") for s in sizes]
+    engines = [e.strip() for e in args.vs.split(",") if e.strip()]
+    unknown = sorted(set(engines) - set(ENGINES))
+    if unknown:
+        raise SystemExit(f"bench ops: unknown --vs engine(s) {unknown}; known: {list(ENGINES)}")
+    rows = [_measure(layout, s, args, "meta", engines) for s in sizes]
     if args.real_pages:
         scaled = scale_layout(layout, 1 / 2048).layout
-        rows.append(_measure(scaled, args.real_pages, args, "cpu"))
+        rows.append(_measure(scaled, args.real_pages, args, "cpu", []))
     meta = [r for r in rows if r["device"] == "meta"]
-    growth = ratio(meta[-1]["us_per_request"], meta[0]["us_per_request"]) if meta else None
+
+    def growth(key: str) -> float | None:
+        return ratio(meta[-1][key], meta[0][key]) if meta else None
+
+    vs = sorted({k for r in meta for k in r if k.startswith("vs_") and k != "vs_floor"})
     return {"model": args.model, "page_size": args.page_size,
             "pages_per_request": args.shared_pages + args.private_pages,
-            "requests": args.requests, "rows": rows, "growth": growth,
+            "prefixes": args.prefixes, "requests": args.requests, "rows": rows,
+            "growth": growth("us_per_request"), "fill_growth": growth("fill_us_per_request"),
             "max_us_per_request": max(r["us_per_request"] for r in meta) if meta else None,
-            "max_vs_floor": max((r["vs_floor"] for r in meta if r["vs_floor"] is not None),
-                                default=None)}
+            "max_vs_floor": _max(r["vs_floor"] for r in meta),
+            **{f"max_{k}": _max(r.get(k) for r in meta) for k in vs},
+            "skipped": {k: v for r in meta for k, v in r["skipped"].items()}}
+
+
+def _max(values: Iterable[float | None]) -> float | None:
+    return max((v for v in values if v is not None), default=None)
 
 
 def render(result: dict[str, Any]) -> str:
-    columns = ["pages", "device", "us_per_request", *(f"us_{op}" for op in OPS),
-               "evictions_per_request", "floor_us_per_request", "vs_floor"]
     head = (f"{result['model']}, {result['pages_per_request']} pages of "
-            f"{result['page_size']} tokens per request, {result['requests']} timed requests "
-            f"per size")
-    growth = result["growth"]
-    tail = f"growth (largest / smallest size): {growth:.2f}x" if growth else ""
-    return "\n".join([head, table(result["rows"], columns), tail])
+            f"{result['page_size']} tokens per request ({result['prefixes']} shared prefixes), "
+            f"{result['requests']} timed steady requests per size; µs per request (thread CPU)")
+    fill = ["pages", "device", "fill_requests", "fill_us_per_request",
+            *(f"fill_us_{op}" for op in OPS), "moved_per_allocated"]
+    steady = ["pages", "device", "us_per_request", *(f"us_{op}" for op in OPS),
+              "evictions_per_request", "floor_us_per_request", "vs_floor"]
+    names = sorted({n for r in result["rows"] for n in r["systems"]})
+    side = [{"pages": r["pages"], "phase": phase,
+             **{n: _fmt(r["systems"].get(n, {}).get(key)) for n in names}}
+            for r in result["rows"] if r["device"] == "meta"
+            for phase, key in (("fill", "fill_us_per_request"), ("steady", "us_per_request"))]
+    lines = [head, "fill (empty cache to the first eviction):", table(result["rows"], fill),
+             "steady state:", table(result["rows"], steady),
+             "same prompts, systems interleaved (µs per request):",
+             table(side, ["pages", "phase", *names])]
+    lines += [f"skipped {name}: {why}" for name, why in result["skipped"].items()]
+    for key, label in (("fill_growth", "fill"), ("growth", "steady")):
+        if result[key]:
+            lines.append(f"{label} growth (largest / smallest size): {result[key]:.2f}x")
+    return "\n".join(lines)
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f}"
 
