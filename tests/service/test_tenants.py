@@ -166,7 +166,9 @@ def test_a_read_only_tenant_reads_but_never_writes(clients: dict[str, Client]) -
 def test_unknown_tokens_are_refused(svc: RunningService) -> None:
     for token in (None, "not-a-token", TOKENS["alpha"] + "x"):
         with Client(svc.url, token=token, retries=0) as c:
-            assert error_of(lambda c=c: c.batch_get(["k"], "shared")) == (401, "unauthorized")
+            with pytest.raises(ServiceError) as caught:
+                c.batch_get(["k"], "shared")
+            assert (caught.value.status, caught.value.error) == (401, "unauthorized")
 
 
 # ------------------------------------------------------------------ quotas
