@@ -31,7 +31,7 @@ from tierstore.service import server
 from tierstore.service.app import Service
 from tierstore.service.config import ServiceConfig
 from tierstore.service.principals import Principals, PrincipalsError, hash_token, new_token
-from tierstore.service.quotas import ENTRY_OVERHEAD
+from tierstore.service.quotas import ENTRY_OVERHEAD, PageQuota, ValueQuota
 from tierstore.shm_client import SharedMemoryTransport
 from tierstore.store import TierStore
 from tierstore.testing.redis_server import RedisServer
@@ -464,3 +464,23 @@ def test_the_principals_cli_prints_a_token_and_its_hash(capsys: pytest.CaptureFi
     path.write_text(f'[tenants.a]\n{out[1]}\nnamespaces = ["x"]\n')
     assert main(["principals", "check", str(path)]) == 0
     assert Principals.load(path).lookup(token.encode()) is not None
+
+
+def test_the_quota_books_name_only_the_tenants_own_oldest() -> None:
+    values = ValueQuota()
+    values.charge("a", ["a1", "a2", "a3"], [100, 100, 100])
+    values.charge("b", ["b1"], [100])
+    limit = 3 * (100 + ENTRY_OVERHEAD)
+    assert values.make_room("a", limit, ["a4"], [100]) == (1, ["a1"])
+    assert values.make_room("a", limit, ["a2"], [100]) == (1, [])  # a replacement: no victim
+    assert values.make_room("a", limit, ["big"], [limit]) == (0, [])  # never fits: no victims
+    values.forget("a", ["a1"])
+    values.check_integrity()
+    pages = PageQuota(record_bytes=64)
+    pages.add("a", "ns", b"\0" * 32, 2)  # 2 pages of 4 tokens (16 bytes each)
+    assert pages.held("a") == 2 and not pages.fits("a", 3, 2, 16)
+    assert not pages.fits("a", 10, 1, 40)  # the records' byte bound
+    pages.refresh("a", lambda ns, toks: 1, 16)  # only the first page is still cached
+    assert pages.held("a") == 1 and pages.fits("a", 3, 2, 16)
+    pages.refresh("a", lambda ns, toks: 0, 16)  # gone: the record and its bytes go too
+    assert pages.held("a") == 0 and pages.fits("a", 2, 2, 64)

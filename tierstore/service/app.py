@@ -326,8 +326,9 @@ class Service:
         if result is None:
             raise HTTPError(429, "quota_exceeded", f"tenant {tenant.name!r} holds "
                             f"{self.pages.held(tenant.name)} cached prefix pages of its "
-                            f"{limit}; this insert would add more (release or wait for "
-                            f"eviction)")
+                            f"{limit} (or its inserts' records pass "
+                            f"{self.pages.record_bytes} bytes); this insert would add more "
+                            f"(wait for eviction, or ask for a larger quota)")
         return web.json_response(dataclasses.asdict(result))
 
     def _page_room(self, tenant: str, limit: int, tokens: Any, scoped: str) -> bool:
@@ -338,11 +339,12 @@ class Service:
         def cached(ns: str, toks: Any) -> int:
             return self.store.peek(toks, ns, tiers=TIERS) // page
 
-        need = len(as_tokens(tokens)) // page - cached(scoped, tokens)
-        if need <= 0 or self.pages.held(tenant) + need <= limit:
+        count = len(as_tokens(tokens))
+        need = count // page - cached(scoped, tokens)
+        if need <= 0 or self.pages.fits(tenant, limit, need, 4 * count):
             return True
         self.pages.refresh(tenant, cached, 4 * page)
-        return self.pages.held(tenant) + need <= limit
+        return self.pages.fits(tenant, limit, need, 4 * count)
 
     async def release(self, request: web.Request) -> web.Response:
         body = await read_body(request)

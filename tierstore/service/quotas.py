@@ -13,6 +13,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 ENTRY_OVERHEAD = 64  # bytes charged per value on top of its length
+# Packed token ids the page quota keeps per tenant (its records); past them an insert is
+# refused like one over the page quota, so the accounting itself stays bounded.
+RECORD_BYTES = 64 << 20
 
 
 class ValueQuota:
@@ -83,20 +86,31 @@ class PageQuota:
     every prompt extending them, so evicting a tenant's own oldest would also cut its newer
     prompts. :meth:`refresh` drops records whose pages the store no longer holds."""
 
-    def __init__(self) -> None:
+    def __init__(self, record_bytes: int = RECORD_BYTES) -> None:
+        self.record_bytes = record_bytes
         self._records: dict[str, OrderedDict[tuple[str, bytes], int]] = {}
         self._pages: dict[str, int] = {}
+        self._bytes: dict[str, int] = {}
 
     def held(self, tenant: str) -> int:
         """Pages charged to ``tenant`` now."""
         return self._pages.get(tenant, 0)
 
+    def fits(self, tenant: str, limit: int, pages: int, tokens_bytes: int) -> bool:
+        """Whether ``pages`` more (of a prompt of ``tokens_bytes``) fit ``tenant``'s quota and
+        its records' byte bound."""
+        return self.held(tenant) + pages <= limit and \
+            self._bytes.get(tenant, 0) + tokens_bytes <= self.record_bytes
+
     def add(self, tenant: str, namespace: str, tokens: bytes, new_pages: int) -> None:
         """Charge ``new_pages`` (the trailing pages of ``tokens`` the insert added)."""
         records = self._records.setdefault(tenant, OrderedDict())
         key = (namespace, tokens)
-        records[key] = records.pop(key, 0) + new_pages
+        old = records.pop(key, None)
+        records[key] = (old or 0) + new_pages
         self._pages[tenant] = self._pages.get(tenant, 0) + new_pages
+        if old is None:
+            self._bytes[tenant] = self._bytes.get(tenant, 0) + len(tokens)
 
     def refresh(self, tenant: str, cached_pages: Callable[[str, bytes], int],
                 page_bytes: int) -> None:
@@ -115,4 +129,5 @@ class PageQuota:
                 total += kept
             else:
                 del records[key]
+                self._bytes[tenant] -= len(key[1])
         self._pages[tenant] = total
