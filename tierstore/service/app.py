@@ -293,8 +293,8 @@ class Service:
         return chunks, read.close
 
     async def insert(self, request: web.Request) -> web.Response:
+        tenant = require_write(request).tenant  # before the body: a refused write reads none of it
         body = await read_body(request)
-        tenant = require_write(request).tenant
         tokens = tokens_field(body, self.config.max_tokens)
         scoped = store_namespace(request, body)
         envelopes = self.store.layout.envelopes()
@@ -369,8 +369,8 @@ class Service:
         return [self.kv.key(name, k, who.tenant.name) for k in keys]
 
     async def batch_set(self, request: web.Request) -> web.Response:
+        tenant = require_write(request).tenant  # before the body: a refused write reads none of it
         body = await read_body(request)
-        tenant = require_write(request).tenant
         keys = self.keys(request, body)
         values = blobs_field(body, "values", self.config.max_batch, required=True)
         assert values is not None
@@ -398,8 +398,8 @@ class Service:
         return web.json_response({"count": count, "present": present})
 
     async def delete(self, request: web.Request) -> web.Response:
+        require_write(request)  # before the body: a refused write reads none of it
         body = await read_body(request)
-        require_write(request)
         keys = self.keys(request, body)
         return web.json_response({"deleted": await self.kv.delete(keys)})
 

@@ -172,8 +172,8 @@ class ShmRoutes:
                                                                      principal(request).id)})
 
     async def reserve(self, request: web.Request) -> web.Response:
+        who = require_write(request)  # before the body: a refused write reads none of it
         body = await read_body(request)
-        who = require_write(request)
         self._check(body)
         keys = self.service.keys(request, body)
         sizes = field(body, "sizes", list)
@@ -188,8 +188,8 @@ class ShmRoutes:
                                    for v in values]})
 
     async def commit(self, request: web.Request) -> web.Response:
+        who = require_write(request)  # before the body: a refused write reads none of it
         body = await read_body(request)
-        who = require_write(request)
         res_id = field(body, "reservation", str)
         stored = await self.kv.commit(res_id, who.id, limit=who.tenant.max_value_bytes)
         if stored is None:
@@ -200,8 +200,8 @@ class ShmRoutes:
         return web.json_response({"stored": stored})
 
     async def abort(self, request: web.Request) -> web.Response:
+        who = require_write(request)  # before the body: a refused write reads none of it
         body = await read_body(request)
-        who = require_write(request)
         res_id = field(body, "reservation", str)
         return web.json_response({"aborted": self.kv.abort(res_id, who.id)})
 
