@@ -8,13 +8,19 @@ import importlib
 import importlib.util
 import inspect
 import pkgutil
+import re
 from pathlib import Path
 
 import pytest
 
 from tierstore.errors import InternalError, TierStoreError, UnavailableError, UsageError
 
-PACKAGES = ("tierstore", "gpu_arena", "host_tier", "remote_tier", "kernels")
+# The packages the wheel ships, as pyproject.toml lists them (tests/test_imports.py reads the
+# same line; test modules cannot import each other under --import-mode=importlib).
+PACKAGES = tuple(re.findall(r'"(\w+)\*"', re.search(
+    r"\[tool\.setuptools\.packages\.find\]\s*include = \[(.*?)\]",
+    (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text(),
+    re.S).group(1)))  # type: ignore[union-attr]
 
 
 def _defines_public_subclasses(module_name: str) -> bool:

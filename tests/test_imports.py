@@ -5,6 +5,7 @@ no circles, type-only and function-level imports included, and nothing outside
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,9 +13,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("tierstore", "gpu_arena", "host_tier", "remote_tier", "kernels")
+# The packages the wheel ships, as pyproject.toml lists them (a new tier package is covered).
+PACKAGES = tuple(re.findall(r'"(\w+)\*"', re.search(
+    r"\[tool\.setuptools\.packages\.find\]\s*include = \[(.*?)\]",
+    (ROOT / "pyproject.toml").read_text(), re.S).group(1)))  # type: ignore[union-attr]
 TESTING = "tierstore.testing"
-LOWER = ("gpu_arena", "host_tier", "remote_tier", "kernels")
+LOWER = tuple(p for p in PACKAGES if p != "tierstore")
 
 
 def _modules() -> dict[str, Path]:

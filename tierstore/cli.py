@@ -1,4 +1,4 @@
-"""The ``tierstore`` command line: ``serve``, ``stats``, ``demo``, ``bench NAME``."""
+"""The ``tierstore`` command line: ``serve``, ``stats``, ``demo``, ``bench NAME``, ``trace``."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ def _build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     from tierstore import demo
+    from tierstore.replay import download, synth
     from tierstore.service import server
 
     demo.add_arguments(sub.add_parser("demo", help="run the quick-start demonstration"))
@@ -32,15 +33,24 @@ def _build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     stats.add_argument("--auth-token", default=None)
     stats.add_argument("--json", action="store_true")
 
+    trace = sub.add_parser("trace", help="write or download request traces")
+    trace_sub = trace.add_subparsers(dest="trace", required=True)
+    synth.add_arguments(trace_sub.add_parser(
+        "synth", help="write a generated Mooncake-format trace", description=synth.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter))
+    download.add_arguments(trace_sub.add_parser(
+        "fetch", help="download a public FAST'25 trace into the cache, print its path"))
+
     bench_parser = sub.add_parser("bench", help="run a benchmark")
     bench_sub = bench_parser.add_subparsers(dest="bench", required=True)
     # Only the benchmark being run is imported (some import SGLang or LMCache, seconds each);
-    # `tierstore bench -h` imports them all to list them.
+    # `tierstore bench -h` imports them all to list them, other commands none.
     args = sys.argv[1:] if argv is None else argv
     wanted = args[1] if len(args) > 1 and args[0] == "bench" and not args[1].startswith("-") \
         else None
+    other = bool(args) and not args[0].startswith("-") and args[0] != "bench"
     for name in bench.names():
-        if wanted is not None and name != wanted:
+        if other or (wanted is not None and name != wanted):
             bench_sub.add_parser(name)
             continue
         module = bench.load(name)
@@ -78,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         from tierstore.service.principals import cli as principals_cli
 
         return principals_cli(args.principals, getattr(args, "path", None))
+    if args.command == "trace":
+        from tierstore.replay import download, synth
+
+        return synth.main(args) if args.trace == "synth" else download.main(args)
     if args.command == "stats":
         from tierstore.client import print_stats
 

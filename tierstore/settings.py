@@ -18,13 +18,16 @@ class Environment:
     log_level: str
     mac_key_file: str | None = None
     mac_key: bytes | None = field(default=None, repr=False)
+    trace_url: str | None = None  # where `--trace mooncake:NAME` downloads from (a mirror)
+    cache_home: str | None = None  # XDG_CACHE_HOME: downloaded traces go under it
 
 
 def environment() -> Environment:
     """Read ``TIERSTORE_AUTH_TOKEN``, ``TIERSTORE_REDIS_URL``, ``TIERSTORE_REDIS_SERVER``
     (which server binary a private L3 runs: ``auto``, ``valkey``, ``redis`` or a path),
     ``TIERSTORE_LOG_LEVEL``, ``TIERSTORE_MAC_KEY_FILE`` and ``TIERSTORE_MAC_KEY`` (the L3
-    MAC secret: a key file's path, or the secret itself)."""
+    MAC secret: a key file's path, or the secret itself), ``TIERSTORE_TRACE_URL`` (a mirror
+    of the public traces) and ``XDG_CACHE_HOME``."""
     secret = os.environ.get("TIERSTORE_MAC_KEY")
     return Environment(
         auth_token=os.environ.get("TIERSTORE_AUTH_TOKEN") or None,
@@ -33,6 +36,8 @@ def environment() -> Environment:
         log_level=os.environ.get("TIERSTORE_LOG_LEVEL", "INFO").upper(),
         mac_key_file=os.environ.get("TIERSTORE_MAC_KEY_FILE") or None,
         mac_key=secret.encode() if secret else None,
+        trace_url=os.environ.get("TIERSTORE_TRACE_URL") or None,
+        cache_home=os.environ.get("XDG_CACHE_HOME") or None,
     )
 
 

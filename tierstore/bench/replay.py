@@ -21,14 +21,20 @@ not).
 from __future__ import annotations
 
 import argparse
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from tierstore.bench._util import table
 from tierstore.layout import preset_names
+from tierstore.replay.download import TraceDownloadError, fetch_trace, trace_name
 from tierstore.replay.experiment import Setup, Size
 from tierstore.replay.experiment import run as run_experiment
 from tierstore.replay.report import CostModel
-from tierstore.replay.trace import default_trace
+from tierstore.replay.synth import SynthSpec, synthesize, to_jsonl
+from tierstore.replay.trace import TraceError
 from tierstore.scaling import parse_scale
 
 
@@ -58,9 +64,11 @@ def _size(text: str) -> Size:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    trace = default_trace()
-    parser.add_argument("--trace", type=Path, default=trace,
-                        help=f"Mooncake-format JSONL trace (default: {trace})")
+    parser.add_argument("--trace", default=None,
+                        help="Mooncake-format JSONL trace: a path, or mooncake:conversation, "
+                             "mooncake:toolagent, mooncake:synthetic (the public FAST'25 "
+                             "traces, downloaded once into ~/.cache/tierstore/traces); default: "
+                             "a generated trace (`tierstore trace synth` with its defaults)")
     parser.add_argument("--limit", type=int, default=None, help="replay the first N requests")
     parser.add_argument("--model", default="qwen3-next-80b-a3b", choices=preset_names())
     parser.add_argument("--page-size", type=int, default=512,
@@ -105,11 +113,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    if args.trace is None:
-        raise SystemExit("bench replay: no --trace given and ../shared/traces/"
-                         "synthetic_trace.jsonl not found")
+    """Replay the trace ``--trace`` names; a trace that cannot be had or read is a message
+    and exit code 2, not a traceback."""
+    try:
+        with _trace_file(args.trace) as (path, label):
+            result = _run(args, path)
+    except (TraceDownloadError, TraceError) as exc:
+        print(f"bench replay: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    result["trace"] = label
+    return result
+
+
+@contextmanager
+def _trace_file(spec: str | None) -> Iterator[tuple[Path, str]]:
+    """(path, label) of the trace ``spec`` names: a generated one (in a temporary file for
+    the run), a downloaded public one, or a file."""
+    if spec is None:
+        synth = SynthSpec()
+        with tempfile.TemporaryDirectory(prefix="tierstore-trace-") as tmp:
+            path = Path(tmp) / "generated_trace.jsonl"
+            path.write_text(to_jsonl(synthesize(synth)), encoding="utf-8")
+            yield path, f"generated ({synth.describe()})"
+        return
+    name = trace_name(spec)
+    if name is not None:
+        yield fetch_trace(name), spec
+        return
+    if not Path(spec).is_file():
+        raise TraceError(f"--trace {spec}: no such file")
+    yield Path(spec), spec
+
+
+def _run(args: argparse.Namespace, trace: Path) -> dict:
     setup = Setup(
-        trace=args.trace, limit=args.limit, model=args.model, page_size=args.page_size,
+        trace=trace, limit=args.limit, model=args.model, page_size=args.page_size,
         l1=args.l1, l2=args.l2, l3=args.l3, configs=args.configs, scale=args.scale,
         scaled_target_bytes=int(args.scaled_mib * 2**20), split=args.split,
         split_warmup=args.split_warmup, decode_s_per_token=args.decode_ms_per_token / 1000,

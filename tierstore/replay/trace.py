@@ -23,7 +23,8 @@ TRACE_NAME = "synthetic_trace.jsonl"
 
 
 class TraceError(UsageError):
-    """A trace line the replay cannot use; the message names the line and the field."""
+    """A trace the replay cannot use (a line of one, a generated one's parameters, a
+    ``--trace`` argument); the message names the line and the field, or the argument."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -39,8 +40,9 @@ class TraceRequest:
 
 
 def default_trace() -> Path | None:
-    """The shipped trace, ``../shared/traces/synthetic_trace.jsonl`` seen from the working
-    directory or from the repository root; None when neither exists."""
+    """Mooncake's synthetic trace beside a checkout, ``../shared/traces/synthetic_trace.jsonl``
+    seen from the working directory or the repository root (tests replay it when it is
+    there); None when neither exists. ``bench replay`` defaults to a generated trace."""
     repo = Path(__file__).resolve().parents[2]
     for base in (Path.cwd(), repo):
         path = base.parent / "shared" / "traces" / TRACE_NAME
