@@ -119,8 +119,9 @@ def _rss(pid: int) -> int:
 
 
 class Prober:
-    """Polls ``/healthz`` on one keep-alive connection every ``period_s`` and the service's
-    RSS with it, until stopped."""
+    """Polls ``/healthz`` on one keep-alive connection every ``period_s``, and the service's
+    RSS as often on a thread of its own (a stalled /healthz must not stall the sampling),
+    until stopped."""
 
     def __init__(self, served: Served, period_s: float) -> None:
         self.served = served
@@ -129,15 +130,22 @@ class Prober:
         self.peak_rss = _rss(served.pid)
         self.failures = 0
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="healthz-probe", daemon=True)
+        self._threads = [threading.Thread(target=self._run, name="healthz-probe", daemon=True),
+                         threading.Thread(target=self._sample, name="rss-probe", daemon=True)]
 
     def __enter__(self) -> Prober:
-        self._thread.start()
+        for thread in self._threads:
+            thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self._thread.join()
+        for thread in self._threads:
+            thread.join()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self.peak_rss = max(self.peak_rss, _rss(self.served.pid))
 
     def _run(self) -> None:
         conn = http.client.HTTPConnection("127.0.0.1", self.served.port, timeout=120)
@@ -151,7 +159,6 @@ class Prober:
                 self.failures += 1
                 conn.close()
                 conn = http.client.HTTPConnection("127.0.0.1", self.served.port, timeout=120)
-            self.peak_rss = max(self.peak_rss, _rss(self.served.pid))
             self._stop.wait(max(0.0, self.period_s - (time.perf_counter() - start)))
         conn.close()
 
