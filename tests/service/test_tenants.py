@@ -186,7 +186,10 @@ def test_over_its_byte_quota_a_tenant_loses_its_own_oldest_values(
                                              "values": [b"h" * (QUOTA_VALUES * VALUE_SIZE * 2)]})
     assert reply == {"stored": [False], "reasons": ["quota"]}
     assert s.batch_get(keys[2:], "small") == values[2:]  # a refused value evicts nothing
-    assert svc.service.kv.quota.held("small") <= QUOTA_VALUES * (VALUE_SIZE + ENTRY_OVERHEAD)
+    held = s.stats()["principal"]
+    assert held["tenant"] == "small" and held["max_value_bytes"] == QUOTA_VALUES * (
+        VALUE_SIZE + ENTRY_OVERHEAD)
+    assert held["value_bytes"] == svc.service.kv.quota.held("small") <= held["max_value_bytes"]
 
 
 def test_over_its_page_quota_an_insert_is_refused(clients: dict[str, Client]) -> None:

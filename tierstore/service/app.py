@@ -204,7 +204,18 @@ class Service:
         return web.json_response({"status": "ok"})
 
     async def stats(self, request: web.Request) -> web.Response:
-        return web.json_response(await self._stats())
+        body = await self._stats()
+        who = principal(request)
+        tenant, name = who.tenant, who.tenant.name
+        count, reserved = self.kv.host.reservations_held(who.id)
+        # What the caller holds against its quotas (the open tenant has none).
+        body["principal"] = {"tenant": name or None, "read_only": tenant.read_only,
+                             "value_bytes": self.kv.quota.held(name),
+                             "max_value_bytes": tenant.max_value_bytes,
+                             "prefix_pages": self.pages.held(name),
+                             "max_prefix_pages": tenant.max_prefix_pages,
+                             "reservations": count, "reserved_bytes": reserved}
+        return web.json_response(body)
 
     async def _stats(self) -> dict[str, Any]:
         snapshot = await self.run(self.store.stats)
