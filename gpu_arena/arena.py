@@ -147,10 +147,19 @@ class Arena:
         """Free live ids (capacity returns at once; fenced slots are reused only after their
         fences retire). A foreign or already-free id raises ArenaError and frees nothing."""
         p = self._pool(pool)
-        ids = self._ids(p, ids)
-        if ids.numel() == 0:
+        self._release(p, self._ids(p, ids).numpy())
+
+    def free_owned(self, pool: str, ids: Sequence[int] | np.ndarray) -> None:
+        """:meth:`free` for a caller that tracks its ids itself (the store's ledger does): ids
+        it got from :meth:`alloc` and has not freed. Not re-validated here (a few µs per call
+        on the store's hot path); a foreign or repeated id corrupts the tables, which
+        :meth:`check_integrity` reports."""
+        self._release(self._pool(pool), np.asarray(ids, dtype=np.int64))
+
+    def _release(self, p: Pool, ids: np.ndarray) -> None:
+        if ids.size == 0:
             return
-        slots = p.release_ids(ids).numpy()
+        slots = p.release_ids(ids)
         if int(slots.max()) == p.hi - 1 or int(slots.min()) == p.lo:
             p.trim()
 
@@ -370,7 +379,7 @@ class Arena:
                     lower = max(lower, q.end)
         return lower, upper
 
-    def _direct(self, p: Pool, n: int) -> torch.Tensor | None:
+    def _direct(self, p: Pool, n: int) -> np.ndarray | None:
         """Slots for ``n`` new blocks from holes and the adjacent gap, growing the band; ``None``
         (nothing changed) when they do not fit without moving blocks."""
         n_holes = min(n, p.num_holes)
@@ -391,10 +400,10 @@ class Arena:
         holes = p.take_holes(n_holes)
         n_up = min(up, need)
         n_down = need - n_up
-        parts = [holes.numpy(), np.arange(p.lo - n_down, p.lo), np.arange(p.hi, p.hi + n_up)]
+        parts = [holes, np.arange(p.lo - n_down, p.lo), np.arange(p.hi, p.hi + n_up)]
         p.lo -= n_down
         p.hi += n_up
-        return torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False))
+        return np.concatenate(parts).astype(np.int64, copy=False)
 
     def _float_start(self, first_fit: int, last_fit: int, need: int) -> int:
         """Where an empty floating band starts in the free slots ``[first_fit, last_fit)``:

@@ -95,38 +95,35 @@ class Pool:
         idx = torch.from_numpy(np.flatnonzero(~self._occupied_np(self.lo, self.hi)) + self.lo)
         return idx.flip(0) if self.anchor == "high" else idx
 
-    def take_holes(self, n: int) -> torch.Tensor:
+    def take_holes(self, n: int) -> np.ndarray:
         """The ``n`` (at most :attr:`num_holes`) reusable slots nearest the anchor, in that
         order — the first ``n`` of :meth:`holes` — found from the hole heap without scanning
         the band, and taken off it: the caller binds ids to them (:meth:`take_ids`)."""
         assert n <= self.num_holes, f"pool {self.name}: {n} holes wanted, {self.num_holes} exist"
         if n == 0:
-            return torch.empty(0, dtype=_LONG)
+            return np.empty(0, dtype=np.int64)
         found = self.holes_within(self.lo, self.hi, n)
         assert len(found) == n, f"pool {self.name}: hole heap found {len(found)} of {n} holes"
-        return torch.tensor(found, dtype=_LONG)
+        return np.array(found, dtype=np.int64)
 
     def holes_within(self, lo: int, hi: int, n: int) -> list[int]:
         """Up to ``n`` reusable slots of ``[lo, hi)`` (inside the band) nearest the anchor,
         taken off the hole heap. Entries met on the way that are stale or outside ``[lo, hi)``
         are dropped: the caller re-cuts the band to ``[lo, hi)`` or it already is that."""
         heap, sign = self._hole_heap, -1 if self.anchor == "high" else 1
+        owner, pop, fenced = self.owner_np, heapq.heappop, self.fenced_refs
         found: list[int] = []
-        seen: set[int] = set()
+        last, popped = None, 0
         while len(found) < n and heap:
-            batch: list[int] = []
-            while heap and len(batch) < n - len(found):
-                slot = sign * heapq.heappop(heap)
-                if slot not in seen:
-                    seen.add(slot)
-                    batch.append(slot)
-            self.visited += len(batch)
-            owner = self.owner_np
-            ok = [s for s in batch if lo <= s < hi and owner[s] < 0]
-            if self.fenced_refs and ok:
-                ok = [s for s, f in zip(ok, self._fenced_at(torch.tensor(ok)).tolist(),
-                                        strict=True) if not f]
-            found += ok
+            slot = sign * pop(heap)
+            popped += 1
+            if slot == last:  # a repeated entry: equal entries leave the heap one after another
+                continue
+            last = slot
+            if lo <= slot < hi and owner[slot] < 0 and not (
+                    fenced and (self._readers_np[slot] > 0 or self._writers_np[slot] > 0)):
+                found.append(slot)
+        self.visited += popped
         return found
 
     def _add_holes(self, slots: torch.Tensor | np.ndarray) -> None:
@@ -185,14 +182,14 @@ class Pool:
         return max(occupied, pins[1] - pins[0] + 1)
 
     # --------------------------------------------------------------- updates
-    def take_ids(self, slots: torch.Tensor) -> torch.Tensor:
+    def take_ids(self, slots: torch.Tensor | np.ndarray) -> torch.Tensor:
         """Bind fresh virtual ids to ``slots`` (free, reusable) and return the ids."""
-        n = slots.numel()
+        slots_np = _np(slots)
+        n = slots_np.size
         assert n <= self.num_free_ids, f"pool {self.name}: {n} ids wanted, {self.num_free_ids} free"
         top = self.num_free_ids
         ids = self._free_np[top - n : top][::-1].copy()
         self.num_free_ids -= n
-        slots_np = slots.numpy()
         self.loc_np[ids] = slots_np
         self.owner_np[slots_np] = ids
         self.num_live += n
@@ -201,9 +198,9 @@ class Pool:
         self._log(out)
         return out
 
-    def release_ids(self, ids: torch.Tensor) -> torch.Tensor:
+    def release_ids(self, ids: torch.Tensor | np.ndarray) -> np.ndarray:
         """Unbind live ``ids``; return their slots (now free, pending where fenced)."""
-        ids_np = ids.numpy()
+        ids_np = _np(ids)
         slots_np = self.loc_np[ids_np]
         self.owner_np[slots_np] = -1
         self.loc_np[ids_np] = -1
@@ -211,12 +208,11 @@ class Pool:
         self._free_np[self.num_free_ids : self.num_free_ids + n] = ids_np[::-1]
         self.num_free_ids += n
         self.num_live -= n
-        self._log(ids)
-        slots = torch.from_numpy(slots_np)
+        self._log(ids_np)
         if self.fenced_refs:
-            self.num_pending += int(self._fenced_at(slots).sum())
-        self._add_holes(slots)
-        return slots
+            self.num_pending += int(self._fenced_at(torch.from_numpy(slots_np)).sum())
+        self._add_holes(slots_np)
+        return slots_np
 
     def relink(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Record that the blocks in ``src`` slots now live in ``dst`` slots."""
@@ -247,17 +243,18 @@ class Pool:
             mirror.index_copy_(0, ids.to(mirror.device), self.loc[ids].to(mirror.device))
         self.start_log()
 
-    def _log(self, ids: torch.Tensor) -> None:
+    def _log(self, ids: torch.Tensor | np.ndarray) -> None:
         """Remember ``ids`` for the device mirror. Past a quarter of the table a full copy is
         cheaper than the scatter, so the log collapses to ``num_changed = max_slots``."""
         if self.changed is None or self.num_changed >= self.max_slots:
             return
-        self.num_changed += ids.numel()
+        self.num_changed += len(ids)
         if self.num_changed * 4 >= self.max_slots:
             self.changed.clear()
             self.num_changed = self.max_slots
-        else:
-            self.changed.append(ids.clone())  # callers own (and may change) the ids they pass
+        else:  # a copy: callers own (and may change) the ids they pass
+            self.changed.append(torch.from_numpy(ids.copy()) if isinstance(ids, np.ndarray)
+                                else ids.clone())
 
     def add_fence(self, slots: torch.Tensor, write: bool, delta: int) -> None:
         """Count a fence on (``delta=1``) or off (``delta=-1``) ``slots``."""
@@ -354,6 +351,13 @@ class Pool:
             _require(self.lo == 0, f"{name}: low band starts at slot {self.lo}")
         if self.anchor == "high":
             _require(self.hi == self.max_slots, f"{name}: high band ends at slot {self.hi}")
+
+
+def _np(ids: torch.Tensor | np.ndarray) -> np.ndarray:
+    """``ids`` as an int64 numpy array (a view of a CPU long tensor)."""
+    if isinstance(ids, torch.Tensor):
+        return ids.to("cpu", _LONG).numpy()
+    return np.asarray(ids, dtype=np.int64)
 
 
 def _require(ok: bool, message: str) -> None:

@@ -171,7 +171,7 @@ class Mover:
         removed = self.index.clear(node, tier)
         for kind, ids in removed.items():
             if ids:
-                arena.free(kind, ids)
+                arena.free_owned(kind, ids)  # the index named them: live, held once
                 if tier == Tier.L1:
                     self.ledger.drop(kind, ids)
         return {k: len(ids) for k, ids in removed.items() if k in self.kinds}
