@@ -90,8 +90,8 @@ class VllmSystem:
         self.name = "vllm-hybrid" if hybrid else "vllm-1group"
         block = layout.page_size
         # The block manager counts blocks; the bytes per block do not enter its bookkeeping.
-        common = {"block_size": block, "num_kv_heads": 1, "head_size": 64,
-                  "dtype": torch.bfloat16}
+        common: dict[str, Any] = {"block_size": block, "num_kv_heads": 1, "head_size": 64,
+                                  "dtype": torch.bfloat16}
         full = FullAttentionSpec(**common)
         if hybrid:
             assert layout.sliding_window is not None
