@@ -197,9 +197,21 @@ def test_replay_of_conversations_orders_the_configurations(tmp_path: Path) -> No
         assert (row["verified_envelopes"] > 0) == (row["hit_rate"] > 0)
     infinite = next(r for r in result["rows"] if r["config"] == "infinite")
     assert infinite["evictions"] == 0 and infinite["hit_rate"] > 0.5
+    prompt = result["prompt_tokens"]
+    for row in result["rows"]:  # every prompt token: a hit from one tier or one lost reason
+        tokens = row["tokens"]
+        assert tokens["prompt"] == prompt
+        assert sum(tokens["hit"].values()) + sum(tokens["lost"].values()) == prompt
+        assert sum(tokens["hit"].values()) == pytest.approx(row["hit_rate"] * prompt)
+        assert sum(tokens["evicted_from"].values()) == tokens["lost"]["evicted"]
+        assert tokens["lost"]["partial_page"] > 0  # tails (and the last token) always are
+    rows = {r["config"]: r for r in result["rows"]}
+    assert rows["gpu_lru"]["tokens"]["lost"]["evicted"] > 0  # a small GPU-only cache drops
+    assert rows["infinite"]["tokens"]["lost"]["evicted"] == 0  # an infinite one never does
     html = (tmp_path / "plot.html").read_text()
-    assert html.count("<svg") == 2 and "tier_l2_l3" in html and "http" not in html.replace(
+    assert html.count("<svg") == 3 and "tier_l2_l3" in html and "http" not in html.replace(
         'xmlns="http://www.w3.org/2000/svg"', "")
+    assert "Prompt tokens by outcome" in html and "gpu_lru: evicted" in html
 
 
 @needs_redis
@@ -275,3 +287,28 @@ def test_service_mode_replays_through_http_and_verifies() -> None:
         with pytest.raises(SystemExit, match="--scale 1/4096"):
             run_experiment(Setup(trace=trace, limit=5, scale=factor / 2, url=svc.url,
                                  progress=False))
+
+
+def test_mrc_estimates_are_checked_against_resized_replays(tmp_path: Path) -> None:
+    """`bench replay --mrc`: each tier's curve at 0.5x / 2x is set against a real replay with
+    that tier resized. (How close they come is measured on the shipped trace: on this tiny
+    one, eight equal conversations fit L1 or not by a few bytes of slack, which an LRU of
+    bytes cannot see; tests/tierstore/test_mrc.py checks the shadow against an exact LRU.)"""
+    from tierstore.replay import mrc_check
+
+    trace = tmp_path / "chat.jsonl"
+    trace.write_text("\n".join(_conversations()) + "\n")
+    setup = Setup(trace=trace, configs="a", l1=Size(fraction=0.3), progress=False)
+    result = run(setup)
+    (row,) = result["rows"]
+    curve = row["mrc"]["tiers"]["l1"]
+    assert row["mrc"]["sampling"]["rate"] == 1.0
+    assert curve["hit_rate"] == sorted(curve["hit_rate"]) and curve["hit_rate"][-1] > 0
+    checked = mrc_check.check(setup, result, multiples=(0.5, 2.0))
+    points = checked["points"]
+    assert [(p["tier"], p["multiple"]) for p in points] == [("l1", 0.5), ("l1", 2.0)]
+    for p in points:
+        assert 0 <= p["estimate"] <= 1 and 0 <= p["real"] <= 1
+        assert p["error_points"] == pytest.approx(100 * (p["estimate"] - p["real"]))
+    assert checked["max_abs_error_points"] == max(abs(p["error_points"]) for p in points)
+    assert "largest error" in mrc_check.render(checked)

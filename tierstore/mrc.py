@@ -68,7 +68,8 @@ class Shadow:
     def __init__(self, capacities: Mapping[str, int | None], units: Mapping[str, int],
                  page_size: int, *, swa_window_pages: int = 0, swa_window_only: bool = False,
                  rate: float = 1.0, max_tracked: int = DEFAULT_MAX_TRACKED,
-                 multiples: Sequence[float] = MULTIPLES) -> None:
+                 multiples: Sequence[float] = MULTIPLES, unbounded_below: bool = False
+                 ) -> None:
         if not 0 < rate <= 1:
             raise ValueError(f"sampling rate must be in (0, 1], got {rate}")
         if max_tracked < 16:
@@ -77,6 +78,9 @@ class Shadow:
         self.state = "state" in units
         self.multiples = tuple(multiples)
         self.capacities = {t: c for t, c in capacities.items() if c}
+        # An unbounded last tier (an L3 of unknown size) serves whatever the others miss: the
+        # whole cache's hit rate is then the unbounded one whatever a tier's size.
+        self.unbounded_below = unbounded_below
         # Two thresholds: ordinary pages, and candidate ends (pages a checkpoint follows).
         # Ends are few and carry each prefix's hit tokens, so they are sampled apart (all of
         # them until there are ``max_tracked``): sampling them with the pages would let a few
@@ -270,7 +274,8 @@ class Shadow:
             for m in self.multiples:
                 size = above + m * cap
                 hit.append((self._cum(self._hist, size) - base) / tokens)
-                total.append(self._cum(self._hist, all_bytes + (m - 1) * cap) / tokens)
+                total.append((sum(self._hist) if self.unbounded_below else
+                              self._cum(self._hist, all_bytes + (m - 1) * cap)) / tokens)
             for kind in self.kinds:
                 refs = self._kind_refs[kind] or 1.0
                 h = self._kind_hist[kind]
@@ -289,11 +294,14 @@ class Shadow:
 
 def shadow_for(store: TierStore, *, l3_bytes: int | None = None, **kwargs: object) -> Shadow:
     """A shadow of ``store``'s tiers: L1 and L2 at their configured bytes, L3 at ``l3_bytes``
-    (None: no L3 curve; the store cannot know Redis's memory limit)."""
+    (None: no L3 curve, and an L3 counts as unbounded; the store cannot know Redis's memory
+    limit)."""
     config, layout = store.config, store.layout
     units = {k: e.nbytes for k, e in layout.envelopes().items()}
     capacities = {"l1": config.capacity_bytes, "l2": config.host_capacity_bytes or None,
                   "l3": l3_bytes if config.remote is not None else None}
     return Shadow(capacities, units, layout.page_size,
                   swa_window_pages=layout.swa_window_pages(),
-                  swa_window_only=store._swa_window_only, **kwargs)  # type: ignore[arg-type]
+                  swa_window_only=store._swa_window_only,
+                  unbounded_below=config.remote is not None and l3_bytes is None,
+                  **kwargs)  # type: ignore[arg-type]

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from tierstore.bench._util import table
 from tierstore.layout import preset_names
+from tierstore.replay import mrc_check
 from tierstore.replay.download import TraceDownloadError, fetch_trace, trace_name
 from tierstore.replay.experiment import Setup, Size
 from tierstore.replay.experiment import run as run_experiment
@@ -110,6 +111,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--auth-token", default=None, help="service mode: bearer token")
     parser.add_argument("--speed", type=float, default=None,
                         help="service mode: pace requests at trace time / SPEED (e.g. 10)")
+    parser.add_argument("--mrc", action="store_true",
+                        help="check each configuration's miss-ratio curves against real "
+                             "replays with one tier at 0.5x, 2x and 4x (one replay each)")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -155,7 +159,20 @@ def _run(args: argparse.Namespace, trace: Path) -> dict:
         cost=CostModel(args.prefill_tok_s, args.host_gbps, args.redis_gbps),
         plot=args.plot, window_s=args.window_s, url=args.url, auth_token=args.auth_token,
         speed=args.speed)
-    return run_experiment(setup)
+    result = run_experiment(setup)
+    if args.mrc:
+        result["mrc_check"] = mrc_check.check(setup, result)
+    return result
+
+
+def _outcomes(row: dict) -> str:
+    """One configuration's prompt tokens: hits by tier, losses by reason."""
+    tokens = row["tokens"]
+    prompt = tokens["prompt"] or 1
+    hit = ", ".join(f"{t} {n / prompt:.1%}" for t, n in tokens["hit"].items() if n)
+    lost = ", ".join(f"{r} {n / prompt:.1%}" for r, n in
+                     sorted(tokens["lost"].items(), key=lambda kv: -kv[1]) if n)
+    return f"{row['config']}: hit {hit or '-'}; lost {lost or '-'}"
 
 
 def _gib(nbytes: float | None) -> str:
@@ -209,6 +226,11 @@ def render(result: dict) -> str:
         f"runtime {result['runtime_s']:.0f} s" + (f"; plot: {result['plot']}"
                                                    if "plot" in result else ""),
     ]
+    for r in result["rows"]:
+        if "tokens" in r:
+            lines.append(_outcomes(r))
+    if "mrc_check" in result:
+        lines.append(mrc_check.render(result["mrc_check"]))
     for r in result["rows"]:
         for what, p in r.get("latency_ms", {}).items():
             lines.append(f"{r['config']} {what} latency: p50 {p['p50']:.2f} ms, p90 "

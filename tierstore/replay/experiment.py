@@ -25,11 +25,24 @@ from typing import Any
 import torch
 
 from tierstore.layout import load_preset
+from tierstore.mrc import shadow_for
 from tierstore.replay.driver import Replay
 from tierstore.replay.plot import write_html
-from tierstore.replay.report import CostModel, cumulative, summarize, windowed
+from tierstore.replay.report import (
+    CostModel,
+    cumulative,
+    outcome_shares,
+    summarize,
+    windowed,
+)
 from tierstore.replay.service import ServiceTarget
-from tierstore.replay.targets import BASELINES, Capacities, ReplayTarget, open_target
+from tierstore.replay.targets import (
+    BASELINES,
+    Capacities,
+    LibraryTarget,
+    ReplayTarget,
+    open_target,
+)
 from tierstore.replay.trace import (
     TraceRequest,
     WorkingSet,
@@ -167,6 +180,15 @@ def prefix_ideal(requests: Sequence[TraceRequest], page_size: int) -> float:
     return hit / total if total else 0.0
 
 
+def _explained(target: ReplayTarget) -> dict[str, Any]:
+    """A library target's attribution totals and miss-ratio curves (a service's are at its
+    own /v1/stats)."""
+    if not isinstance(target, LibraryTarget):
+        return {}
+    store = target.store
+    return {"attribution": store.attribution.snapshot(), "mrc": store.mrc.curves()}
+
+
 @contextlib.contextmanager
 def _single_thread() -> Iterator[None]:
     """Torch intra-op threads slow the replay's small copies ~100x on a busy 2-core machine
@@ -211,14 +233,15 @@ def run(setup: Setup) -> dict[str, Any]:
                 targets.append(ServiceTarget(setup.url, scaled.layout, token=setup.auth_token,
                                              verify=setup.verify, serve_hint=hint))
             for key in setup.configs if not setup.url else "":
-                targets.append(open_target(BASELINES[key], scaled.layout, caps,
-                                           verify=setup.verify))
+                target = open_target(BASELINES[key], scaled.layout, caps, verify=setup.verify)
+                target.store.mrc = shadow_for(target.store, l3_bytes=caps.l3)
+                targets.append(target)
             replay = Replay(targets, scaled.layout, decode_s_per_token=setup.decode_s_per_token,
                             seed=setup.seed)
             series = replay.run(requests, progress=setup.progress, speed=setup.speed)
             for t in targets:
                 t.check()
-            figures = {t.name: t.figures() for t in targets}
+            figures = {t.name: {**t.figures(), **_explained(t)} for t in targets}
         finally:
             for t in targets:
                 t.close()
@@ -263,6 +286,8 @@ def run(setup: Setup) -> dict[str, Any]:
                     f"output_length x {setup.decode_s_per_token * 1000:g} ms after arrival")
         path = write_html(setup.plot, title, subtitle, setup.window_s,
                           {t.name: windowed(series, t.name, setup.window_s) for t in targets},
-                          {t.name: cumulative(series, t.name) for t in targets})
+                          {t.name: cumulative(series, t.name) for t in targets},
+                          {str(r["config"]): outcome_shares(r["tokens"])  # type: ignore[arg-type]
+                           for r in rows if "tokens" in r})
         result["plot"] = str(path)
     return result

@@ -1,5 +1,6 @@
 """A self-contained HTML page (inline SVG, no scripts, no network) of hit rate over trace
-time, one line per configuration: per window of trace time, and cumulative."""
+time, one line per configuration: per window of trace time, and cumulative; and, per
+configuration, its prompt tokens by outcome (hits by tier, losses by reason)."""
 
 from __future__ import annotations
 
@@ -72,9 +73,48 @@ def _panel(title: str, lines: Mapping[str, Points], t_max: float, *, final: bool
     return "\n".join(out)
 
 
+# Outcome colours: hits in greens/blues, losses in warm colours (attribution reasons).
+_OUTCOME_COLORS = {"hit l1": "#2ca02c", "hit l2": "#98df8a", "hit l3": "#1f77b4",
+                   "cold": "#7f7f7f", "evicted": "#d62728", "no_checkpoint": "#9467bd",
+                   "swa_window": "#ff7f0e", "partial_page": "#c7c7c7",
+                   "l3_unavailable": "#e377c2", "no_room": "#8c564b"}
+
+
+def _outcomes(shares: Mapping[str, Mapping[str, float]]) -> str:
+    """One stacked bar per configuration: the share of prompt tokens of each outcome."""
+    bar_h, gap, left, width = 18, 8, 110, _W - 110 - 20
+    height = 40 + len(shares) * (bar_h + gap) + 60
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{_W}" height="{height}" '
+           f'font-family="sans-serif" font-size="11">',
+           '<text x="8" y="16" font-size="13" font-weight="bold">Prompt tokens by outcome: '
+           'hits by tier, losses by reason</text>']
+    for i, (name, parts) in enumerate(shares.items()):
+        y = 30 + i * (bar_h + gap)
+        out.append(f'<text x="{left - 6}" y="{y + 13}" text-anchor="end">'
+                   f'{html.escape(name)}</text>')
+        x = float(left)
+        for outcome, share in parts.items():
+            w = width * share
+            if w <= 0:
+                continue
+            out.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{bar_h}" '
+                       f'fill="{_OUTCOME_COLORS.get(outcome, "#bbb")}"><title>'
+                       f'{html.escape(name)}: {html.escape(outcome)} {share:.1%}</title></rect>')
+            x += w
+    y = 30 + len(shares) * (bar_h + gap) + 8
+    for j, (outcome, c) in enumerate(_OUTCOME_COLORS.items()):
+        lx, ly = 8 + (j % 5) * 150, y + 16 * (j // 5)
+        out.append(f'<rect x="{lx}" y="{ly}" width="10" height="10" fill="{c}"/>'
+                   f'<text x="{lx + 14}" y="{ly + 9}">{html.escape(outcome)}</text>')
+    out.append("</svg>")
+    return "\n".join(out)
+
+
 def write_html(path: str | Path, title: str, subtitle: str, window_s: float,
-               windowed: Mapping[str, Points], cumulative: Mapping[str, Points]) -> Path:
-    """Write the page to ``path`` (parents created); returns the path."""
+               windowed: Mapping[str, Points], cumulative: Mapping[str, Points],
+               outcomes: Mapping[str, Mapping[str, float]] | None = None) -> Path:
+    """Write the page to ``path`` (parents created); returns the path. ``outcomes`` (per
+    configuration, the share of prompt tokens per outcome) adds a stacked-bar panel."""
     t_max = max((p[-1][0] for p in (*windowed.values(), *cumulative.values()) if p),
                 default=1.0)
     body = "\n".join([
@@ -85,6 +125,7 @@ def write_html(path: str | Path, title: str, subtitle: str, window_s: float,
         _panel(f"Prompt-token hit rate per {window_s:g} s window", windowed, t_max,
                final=False),
         _panel("Cumulative prompt-token hit rate", cumulative, t_max, final=True),
+        *([_outcomes(outcomes)] if outcomes else []),
         "</body></html>", ""])
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -103,6 +103,14 @@ def _tokens(name: str, attribution: Mapping[str, Any], by_tier: Mapping[str, int
             "evicted_from": dict(attribution["evicted_from"])}
 
 
+def outcome_shares(tokens: Mapping[str, Any]) -> dict[str, float]:
+    """A row's ``tokens`` as shares of the prompt: ``hit l1``.., then each lost reason."""
+    prompt = tokens["prompt"] or 1
+    out = {f"hit {t}": n / prompt for t, n in tokens["hit"].items()}
+    out.update({r: n / prompt for r, n in tokens["lost"].items()})
+    return out
+
+
 def windowed(series: Series, name: str, window_s: float) -> list[tuple[float, float]]:
     """Hit rate of prompt tokens per window of trace time: (window midpoint s, rate) for each
     window with requests."""
