@@ -16,9 +16,6 @@ not importable, and the bench prints it.
 from __future__ import annotations
 
 import importlib
-import os
-import sys
-import types
 from typing import Any, Protocol
 
 import numpy as np
@@ -203,27 +200,9 @@ class _NullKVPool:
 
 
 def _import_radix_cache() -> None:
-    """Import SGLang's radix cache. ``sglang.srt.configs``'s package ``__init__`` imports
-    every model config (some need torchvision); the cache needs only its ``mamba_utils``, so
-    when the package import fails the package is registered without running its ``__init__``
-    (its submodules still import from their files)."""
+    """Import SGLang's radix cache, or raise ImportError with why not (0.5.23's import chain
+    reaches every model config, and some need torchvision)."""
     try:
         importlib.import_module("sglang.srt.mem_cache.radix_cache")
-        return
-    except Exception as e:
-        first = e
-    try:
-        srt = importlib.import_module("sglang.srt")
     except Exception as e:
         raise ImportError(f"{type(e).__name__}: {e}") from None
-    for name in [m for m in sys.modules if m.startswith("sglang.srt.configs")]:
-        del sys.modules[name]
-    package = types.ModuleType("sglang.srt.configs")
-    package.__path__ = [os.path.join(os.path.dirname(str(srt.__file__)), "configs")]
-    sys.modules["sglang.srt.configs"] = package
-    try:
-        importlib.import_module("sglang.srt.mem_cache.radix_cache")
-    except Exception as e:
-        del sys.modules["sglang.srt.configs"]
-        raise ImportError(f"{type(e).__name__}: {e} (first: {type(first).__name__}: {first})"
-                          ) from None
