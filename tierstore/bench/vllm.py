@@ -1,0 +1,240 @@
+"""vLLM secondary tier: store and load blocks/s and GB/s of the tierstore tier vs vLLM's own
+filesystem tier (``tiering/fs``) on this machine, same blocks, same run.
+
+Each contender is built by vLLM 0.33's ``SecondaryTierFactory`` over one primary memory of
+``--blocks`` rows (a block per row, as vLLM's CPU primary tier lays them out) and driven as
+vLLM's tiering manager drives it: jobs of ``--job-blocks`` blocks submitted at once
+(``submit_store`` / ``submit_load``), then ``get_finished_jobs`` polled until all report.
+Block sizes are those of two real presets: a 16-token block of every full-attention layer
+(bf16, one TP rank). Contenders, in rotating order per round (median of ``--rounds``):
+
+- ``fs``: vLLM's filesystem tier on a temporary directory (``--dir``), its default 16 + 16
+  threads; O_DIRECT where the filesystem takes it, else buffered (reported);
+- ``tierstore shm``: the tierstore tier against an in-process ``tierstore serve`` whose
+  storage API keeps a host copy in a shared segment and writes every block through to a
+  private valkey/redis-server; the tier copies each block between the primary row and the
+  segment itself;
+- ``tierstore http``: the same service, every block over HTTP.
+
+Each round stores fresh keys, then (untimed) drops the page cache of the fs tier's files,
+waits for the service's background Redis writes, then loads every block into other rows
+(bytes checked, untimed). ``echo 1 > /proc/sys/vm/drop_caches`` is tried first; where it is
+refused, ``posix_fadvise(DONTNEED)`` on every file of the fs tier (reported as
+``page_cache``). Needs vLLM (``pip install --no-deps vllm==0.33.0`` and
+``pip install 'tierstore[vllm]'``) and ``redis-server``/valkey.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import os
+import statistics
+import tempfile
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+
+from remote_tier import RemoteTierConfig
+from remote_tier.embedded import RedisServer
+from tierstore.bench._util import fmt_ratio, ratio, table
+from tierstore.config import StoreConfig
+from tierstore.layout import load_preset
+from tierstore.reference_model import tiny_layout
+from tierstore.service.config import ServiceConfig
+from tierstore.service.running import RunningService, free_port
+from tierstore.store import TierStore
+
+_INSTALL = "pip install --no-deps vllm==0.33.0 && pip install 'tierstore[vllm]'"
+PRESETS = ("gpt-oss-20b", "nemotron-h-8b")
+BLOCK_TOKENS = 16
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--presets", nargs="+", default=list(PRESETS),
+                        help="presets whose full-attention block sizes are measured")
+    parser.add_argument("--blocks", type=int, default=128, help="blocks stored per round")
+    parser.add_argument("--job-blocks", type=int, default=16, help="blocks per job")
+    parser.add_argument("--rounds", type=int, default=3, help="rotating rounds (median)")
+    parser.add_argument("--threads", type=int, default=4,
+                        help="tierstore tier's load and store threads (each)")
+    parser.add_argument("--dir", default=None, help="parent of the fs tier's directory")
+
+
+def run(args: argparse.Namespace) -> dict:
+    try:
+        from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+        from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+    except ImportError as exc:
+        return {"available": False, "reason": f"{type(exc).__name__}: {exc}"}
+    results = [_preset(args, name, SecondaryTierFactory, TieringOffloadingSpec)
+               for name in args.presets]
+    return {"available": True, "blocks": args.blocks, "job_blocks": args.job_blocks,
+            "rounds": args.rounds, "threads": args.threads, "presets": results}
+
+
+def _spec(spec_cls: Any, model: str, row_bytes: int, rows: int) -> Any:
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+    return spec_cls(OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=BLOCK_TOKENS, layer_names=("attn",),
+                                      group_id=0),),
+        worker_kv_bytes_per_block=row_bytes, enable_kv_cache_events=False,
+        extra_config={"cpu_bytes_to_use": rows * row_bytes, "secondary_tiers": []},
+        engine_id=f"bench-{uuid.uuid4().hex[:8]}",
+        model=OffloadingModelConfig(name=model, dtype="bfloat16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=BLOCK_TOKENS, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(
+            rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+            data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+            is_parallelism_agnostic=False)))
+
+
+def _preset(args: argparse.Namespace, name: str, factory: Any, spec_cls: Any) -> dict:
+    layout = load_preset(name, page_size=BLOCK_TOKENS)
+    assert layout.kv is not None, f"{name} has no full-attention KV"
+    row = -(-layout.kv.raw_nbytes // 4096) * 4096  # vLLM pads a row to the page size
+    n = args.blocks
+    # Rows [0, n) hold the stored blocks; loads go into rows [n, 2n).
+    primary = np.zeros((2 * n, row), dtype=np.int8)
+    primary[:n] = np.random.default_rng(0).integers(-128, 128, (n, row), dtype=np.int8)
+    view = primary.data  # the 2-D memoryview vLLM hands its tiers
+    spec = _spec(spec_cls, layout.name, row, 2 * n)
+    working = n * row
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(dir=args.dir))
+        redis = stack.enter_context(RedisServer())
+        store = TierStore(tiny_layout(), StoreConfig(capacity_bytes=1 << 20))
+        svc = RunningService(store, ServiceConfig(port=free_port(), kv_host_bytes=3 * working),
+                             RemoteTierConfig(url=redis.url, key_prefix="bench-vllm",
+                                              max_value_bytes=max(64 << 20, 2 * row))).start()
+        stack.callback(svc.stop)
+        ours = {"type": "TierStoreTier", "module_path": "tierstore.integrations.vllm",
+                "url": svc.url, "load_threads": args.threads, "store_threads": args.threads,
+                "max_batch": args.job_blocks}
+        tiers = {"fs": factory.create_secondary_tier({"type": "fs", "root_dir": tmp}, view,
+                                                     spec),
+                 "tierstore shm": factory.create_secondary_tier(
+                     {**ours, "transport": "shm"}, view, spec),
+                 "tierstore http": factory.create_secondary_tier(
+                     {**ours, "transport": "http"}, view, spec)}
+        for tier in tiers.values():
+            stack.callback(tier.shutdown)
+        samples: dict[str, dict[str, list[float]]] = {
+            label: {"store": [], "load": []} for label in tiers}
+        cache_modes: set[str] = set()
+        order = list(tiers)
+        for r in range(args.rounds):
+            for label in order[r % len(order):] + order[:r % len(order)]:
+                store_s, load_s, mode = _round(tiers[label], f"{name}/{r}/{label}", primary,
+                                               n, args.job_blocks, tmp, svc)
+                samples[label]["store"].append(store_s)
+                samples[label]["load"].append(load_s)
+                if label == "fs":
+                    cache_modes.add(mode)
+        o_direct = bool(getattr(tiers["fs"], "_use_o_direct", False))
+    rows = []
+    for label, s in samples.items():
+        store_s, load_s = statistics.median(s["store"]), statistics.median(s["load"])
+        rows.append({"tier": label, "store_blocks_s": n / store_s,
+                     "store_gb_s": n * row / store_s / 1e9, "load_blocks_s": n / load_s,
+                     "load_gb_s": n * row / load_s / 1e9})
+    fs_row = rows[0]
+    return {"preset": name, "block_bytes": row, "fs_o_direct": o_direct,
+            "page_cache": "/".join(sorted(cache_modes)), "rows": rows,
+            "vs_fs": {r["tier"]: {"store": ratio(r["store_blocks_s"], fs_row["store_blocks_s"]),
+                                  "load": ratio(r["load_blocks_s"], fs_row["load_blocks_s"])}
+                      for r in rows[1:]}}
+
+
+def _round(tier: Any, tag: str, primary: np.ndarray, n: int, job_blocks: int, fs_dir: str,
+           svc: RunningService) -> tuple[float, float, str]:
+    """Seconds to store rows [0, n) under fresh keys, and to load them into rows [n, 2n);
+    how the page cache was dropped in between."""
+    from vllm.v1.kv_offload.base import ReqContext, make_offload_key
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+
+    keys = [make_offload_key(hashlib.sha256(f"{tag}/{i}".encode()).digest(), 0)
+            for i in range(n)]
+    ctx = ReqContext(req_id=tag)
+
+    def jobs(is_load: bool, base: int, first_id: int) -> list[Any]:
+        return [TransferJob(job_id=first_id + j, keys=keys[s:s + job_blocks],
+                            chunk_ids=np.arange(base + s, base + min(s + job_blocks, n),
+                                                dtype=np.int32),
+                            is_promotion=is_load, req_context=ctx)
+                for j, s in enumerate(range(0, n, job_blocks))]
+
+    stores, loads = jobs(False, 0, 0), jobs(True, n, 1 << 20)
+    primary[n:] = 0
+    start = time.perf_counter()
+    for job in stores:
+        tier.submit_store(job)
+    _wait(tier, len(stores), tag)
+    store_s = time.perf_counter() - start
+    mode = _drop_page_cache(fs_dir)
+    while svc.service.kv.stats()["redis_behind_bytes"]:  # untimed: Redis writes behind
+        time.sleep(0.001)
+    start = time.perf_counter()
+    for job in loads:
+        tier.submit_load(job)
+    _wait(tier, len(loads), tag)
+    load_s = time.perf_counter() - start
+    assert np.array_equal(primary[n:], primary[:n]), f"{tag}: wrong bytes loaded"
+    return store_s, load_s, mode
+
+
+def _wait(tier: Any, count: int, tag: str) -> None:
+    """Poll ``get_finished_jobs`` (as the manager does each step) until ``count`` reported."""
+    done = 0
+    while done < count:
+        finished = list(tier.get_finished_jobs())
+        assert all(r.success for r in finished), f"{tag}: a job failed"
+        done += len(finished)
+        if done < count:
+            time.sleep(0.0002)
+
+
+def _drop_page_cache(directory: str) -> str:
+    """Drop the page cache between rounds: every clean page where the kernel lets us, else
+    the pages of the fs tier's files (``fadvise``). Which one happened."""
+    os.sync()
+    with contextlib.suppress(OSError), open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("1\n")
+        return "drop_caches"
+    for root, _dirs, files in os.walk(directory):
+        for file in files:
+            with contextlib.suppress(OSError):
+                fd = os.open(os.path.join(root, file), os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+    return "fadvise"
+
+
+def render(result: dict) -> str:
+    if not result["available"]:
+        return (f"vLLM is not importable here ({result['reason']}), so there is nothing to "
+                f"compare.\nInstall it with: {_INSTALL}")
+    lines = []
+    for p in result["presets"]:
+        lines.append(f"{p['preset']}: {BLOCK_TOKENS}-token blocks of "
+                     f"{p['block_bytes'] / 2**10:.0f} KiB, {result['blocks']} per round in jobs "
+                     f"of {result['job_blocks']}, median of {result['rounds']} rounds; fs tier "
+                     f"{'O_DIRECT' if p['fs_o_direct'] else 'buffered'}, page cache dropped by "
+                     f"{p['page_cache']}")
+        lines.append(table(p["rows"], ["tier", "store_blocks_s", "store_gb_s",
+                                       "load_blocks_s", "load_gb_s"]))
+        for name, vs in p["vs_fs"].items():
+            lines.append(f"{name} / fs: store {fmt_ratio(vs['store'])}x, "
+                         f"load {fmt_ratio(vs['load'])}x")
+    return "\n".join(lines)
