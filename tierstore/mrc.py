@@ -96,7 +96,7 @@ class Shadow:
         # recent). The tree holds bytes / rate per slot: distances come out unscaled.
         self._pages: dict[int, list[int]] = {}
         self._num_ends = 0
-        self._slots = 8 * max_tracked + 64
+        self._slots = 4 * max_tracked + 64
         self._tree = _Fenwick(self._slots)
         self._clock = 0
         self._ends: dict[int, None] = {}  # candidate ends: hashes of pages a checkpoint follows
@@ -143,57 +143,70 @@ class Shadow:
                 obj = self._pages.pop(h, None)
                 if obj is not None:  # a tracked page becomes an end: tracked anew below
                     self._untrack(obj)
-        self._touch(keys, len(keys), create=True)
+        hs = [hash(k) for k in keys]
+        self._touch(hs, self._flags(hs), create=True)
+
+    def _flags(self, hs: list[int]) -> list[bool]:
+        """Which of the hashed pages a checkpoint follows (every page without state)."""
+        if not self.state:
+            return [True] * len(hs)
+        ends, old = self._ends, self._old_ends
+        return [h in ends or h in old for h in hs]
+
+    def _sampled_at(self, hs: list[int], flags: list[bool]) -> list[int]:
+        """Positions of the pages the sample covers (as pages, or as candidate ends)."""
+        thr, ethr = self.threshold, self.end_threshold
+        if not self.state:
+            return [i for i, h in enumerate(hs) if (h & 0xFFFFFFFF) < thr]
+        return [i for i, h in enumerate(hs)
+                if (((h >> 32) & 0xFFFFFFFF) < ethr if flags[i] else (h & 0xFFFFFFFF) < thr)]
 
     def reference(self, keys: Sequence[bytes], n_tokens: int) -> None:
         """A match of ``n_tokens`` tokens whose full pages are ``keys``: record where each
         candidate end's distance puts it, then use the path an unbounded cache would serve."""
         self.tokens += n_tokens
         self.requests += 1
+        if not keys:
+            return
+        hs = [hash(k) for k in keys]
+        flags = self._flags(hs)
+        ends = [i for i, f in enumerate(flags) if f]
+        if not ends:
+            return
         pages, page, state = self._pages, self.page_size, self.state
         tree = self._tree
         top = tree.prefix(self._slots)
-        prev = deepest = 0
-        samples = []  # (distance, weighted tokens) of tracked candidates
-        entries = []  # (distance, weight, is_end) of tracked entries
-        for i, key in enumerate(keys):
-            h = hash(key)
-            is_end = self._is_end(h)
-            obj = pages.get(h)
-            if obj is not None:
-                dist = top - tree.prefix(obj[0])  # its bytes and all more recent
-                weight = self._weight(is_end)
-                entries.append((dist, weight, is_end))
-                if is_end or not state:
-                    samples.append((dist, (i + 1 - prev) * page * weight))
-            if is_end or not state:
-                deepest = prev = i + 1
         edges, hist = self.edges, self._hist
-        for dist, tokens in samples:
-            hist[bisect.bisect_left(edges, dist)] += tokens
-        kinds = self._kind_hist
-        for dist, weight, is_end in entries:
+        kinds, refs = self._kind_hist, self._kind_refs
+        for i in self._sampled_at(hs, flags):
+            obj = pages.get(hs[i])
+            if obj is None:
+                continue
+            is_end = flags[i] if state else False
+            dist = top - tree.prefix(obj[0])  # its bytes and all more recent
+            weight = self._weight(is_end)
             b = bisect.bisect_left(edges, dist)
+            if flags[i]:  # a candidate: the tokens since the previous one hit at this size
+                k = bisect.bisect_left(ends, i)
+                prev = ends[k - 1] + 1 if k else 0
+                hist[b] += (i + 1 - prev) * page * weight
             for kind in ("kv", "swa", "state") if is_end else ("kv", "swa"):
                 if kind in kinds:
                     kinds[kind][b] += weight
-                    self._kind_refs[kind] += weight
-        if deepest:
-            self._touch(keys, deepest, create=False)
+                    refs[kind] += weight
+        self._touch(hs[: ends[-1] + 1], flags, create=False)
 
-    def _touch(self, keys: Sequence[bytes], n: int, *, create: bool) -> None:
-        """Move the tracked pages of ``keys[:n]`` to the top, deepest first (so it is the
-        least recent of them); with ``create``, sampled pages not yet tracked join."""
+    def _touch(self, hs: list[int], flags: list[bool], *, create: bool) -> None:
+        """Move the tracked pages among ``hs`` to the top, deepest first (so it is the least
+        recent of them); with ``create``, sampled pages not yet tracked join."""
         pages, tree = self._pages, self._tree
-        for i in range(n - 1, -1, -1):
-            h = hash(keys[i])
+        for i in reversed(self._sampled_at(hs, flags)):
+            h = hs[i]
             obj = pages.get(h)
             if obj is None:
                 if not create:
                     continue
-                is_end = self._is_end(h)
-                if not self._sampled(h, is_end):
-                    continue
+                is_end = self.state and flags[i]
                 obj = pages[h] = [-1, self.page_bytes + (self.end_bytes if is_end else 0),
                                   int(is_end)]
                 self._num_ends += is_end
