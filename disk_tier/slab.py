@@ -25,7 +25,7 @@ from disk_tier.slot import ALIGN
 log = logging.getLogger(__name__)
 
 MAX_IOV = 512  # iovecs per call (Linux allows 1024)
-MAX_RUN_BYTES = 8 << 20  # one call moves at most this much, so large batches spread out
+MAX_RUN_BYTES = 2 << 20  # one call moves at most this much, so large batches spread out
 
 
 def aligned(nbytes: int) -> np.ndarray:

@@ -53,7 +53,8 @@ FORMAT = 1
 # Slots per page of each kind when the size is split: a KV and an SWA envelope per page, a
 # state checkpoint about every fourth page (they sit only at the ends of cached prompts).
 DEFAULT_WEIGHTS = {"kv": 1.0, "swa": 1.0, "state": 0.25}
-SCAN_BATCH = 256  # headers one scan job reads
+SCAN_BATCH = 64  # headers one scan job reads
+SCAN_THREADS = 32  # header reads in flight at restart: latency-bound, so many at once
 
 
 class DiskTierError(UsageError):
@@ -300,9 +301,9 @@ class DiskTier:
         start = time.perf_counter()
         found: list[Recovered] = []
         top = 0
+        scan = ThreadPoolExecutor(SCAN_THREADS, thread_name_prefix="tierstore-disk-scan")
         for kind, slab in self.files.items():
-            jobs = [self._pool.submit(self._scan_range, kind, lo, min(lo + SCAN_BATCH,
-                                                                      slab.nslots))
+            jobs = [scan.submit(self._scan_range, kind, lo, min(lo + SCAN_BATCH, slab.nslots))
                     for lo in range(0, slab.nslots, SCAN_BATCH)]
             newest: dict[bytes, Recovered] = {}
             for job in jobs:
@@ -315,6 +316,7 @@ class DiskTier:
                 self._held[kind][rec.slot] = rec.meta
             found += newest.values()
             self.stats.scanned += slab.nslots
+        scan.shutdown()
         self._gen = top + 1
         self.stats.scan_s = time.perf_counter() - start
         self.stats.recovered = len(found)

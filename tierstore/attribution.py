@@ -90,15 +90,16 @@ def explain(path: Sequence[Segment], keys: Sequence[bytes], full: int, page: int
         if found >= 0:
             break
         kv1, kv2, kv3 = node.ids(1, "kv"), node.ids(2, "kv"), node.ids(3, "kv")
+        kv4 = node.ids(4, "kv")  # the disk tier
         for j in range(max(0, full - start), n):
-            if kv1[j] < 0 and kv2[j] < 0 and kv3[j] < 0:
+            if kv1[j] < 0 and kv2[j] < 0 and kv3[j] < 0 and kv4[j] < 0:
                 found = start + j
                 break
         else:
             end = start + n
             if state and n == len(node.keys) and end > full and (
                     node.checkpoint(1) >= 0 or node.checkpoint(2) >= 0
-                    or node.checkpoint(3) >= 0):
+                    or node.checkpoint(3) >= 0 or node.checkpoint(4) >= 0):
                 last_ckpt = end
     if found < 0:
         found = walked
@@ -114,7 +115,7 @@ def explain(path: Sequence[Segment], keys: Sequence[bytes], full: int, page: int
                 tail = segs[-1] if segs else None
                 if tail is not None and tail[1] + len(tail[0].keys) > found and (
                         tail[0].checkpoint(1) >= 0 or tail[0].checkpoint(2) >= 0
-                        or tail[0].checkpoint(3) >= 0):
+                        or tail[0].checkpoint(3) >= 0 or tail[0].checkpoint(4) >= 0):
                     out.next_checkpoint = tail[1] + len(tail[0].keys)
         elif swa:
             lost["swa_window"] = (found - full) * page
@@ -125,16 +126,16 @@ def explain(path: Sequence[Segment], keys: Sequence[bytes], full: int, page: int
         _add(evicted, "l3", (walked - found) * page)
     if walked < n_full:
         young, old = ghost._young, ghost._old
-        counts = [0, 0, 0, 0]  # cold, dropped by l1, l2, l3
+        counts = [0, 0, 0, 0, 0]  # cold, dropped by l1, l2, l3, disk
         for key in keys[walked:]:
             h = hash(key)
             counts[young.get(h) or old.get(h, 0)] += 1
         if counts[0]:
             lost["cold"] = counts[0] * page
-        for tier in (1, 2, 3):
+        for tier in (1, 2, 3, 4):
             if counts[tier]:
                 _add(lost, "evicted", counts[tier] * page)
-                _add(evicted, f"l{tier}", counts[tier] * page)
+                _add(evicted, "disk" if tier == 4 else f"l{tier}", counts[tier] * page)
     return out
 
 
@@ -263,13 +264,13 @@ class Attribution:
         for (tenant, outcome, tier), n in self.totals.items():
             t = tenants.setdefault(tenant, {"hit": {}, "lost": {}, "evicted_from": {}})
             if outcome == "hit":
-                hit[tier] += n
+                hit[tier] = hit.get(tier, 0) + n
                 _add(t["hit"], tier, n)
             else:
                 lost[outcome] += n
                 _add(t["lost"], outcome, n)
                 if outcome == "evicted":
-                    evicted[tier] += n
+                    evicted[tier] = evicted.get(tier, 0) + n
                     _add(t["evicted_from"], tier, n)
         return {"hit": hit, "lost": lost, "evicted_from": evicted, "tenants": tenants,
                 "ghost": {"entries": len(self.ghost), "capacity": self.ghost.capacity},

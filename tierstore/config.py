@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -24,7 +24,8 @@ class StoreConfig:
     checkpoint (the only place a hybrid match can end); ``all`` keeps every SWA page (models
     without recurrent state can match at any page); ``auto`` picks by the layout.
 
-    Tiers: ``host_capacity_bytes > 0`` adds L2 (host memory); ``remote`` adds L3 (Redis).
+    Tiers: ``host_capacity_bytes > 0`` adds L2 (host memory); ``disk_path`` with
+    ``disk_size_bytes`` adds the local disk tier below it; ``remote`` adds L3 (Redis).
     ``write_policy``: ``write_back`` copies down only on eviction, ``write_through`` on insert,
     ``write_through_selective`` once a prefix has ``write_through_hits`` hits. ``prefetch`` is
     how a match waits for L3: ``wait`` (up to the Redis op timeout), ``timeout`` (up to
@@ -46,6 +47,14 @@ class StoreConfig:
     prefetch_timeout_s: float = 0.05
     # A fixed split, for comparison: {kind: fraction of capacity_bytes} caps each L1 band.
     pool_shares: tuple[tuple[str, float], ...] | None = None
+    # The local disk tier (between L2 and L3): a directory and the bytes of its slab files.
+    # Slots are authenticated with ``disk_mac_key`` (None: the L3 secret, settings.mac_secret);
+    # ``disk_direct`` None probes O_DIRECT, False forces buffered I/O.
+    disk_path: str | None = None
+    disk_size_bytes: int = 0
+    disk_mac_key: bytes | None = field(default=None, repr=False)
+    disk_direct: bool | None = None
+    disk_io_threads: int = 4
 
     def __post_init__(self) -> None:
         if self.capacity_bytes <= 0:
@@ -84,3 +93,8 @@ class StoreConfig:
                              f"{self.pool_shares}")
         if not self.prefetch_timeout_s > 0:
             raise ValueError(f"prefetch_timeout_s must be > 0, got {self.prefetch_timeout_s}")
+        if (self.disk_path is None) != (self.disk_size_bytes == 0) or self.disk_size_bytes < 0:
+            raise ValueError(f"a disk tier needs both disk_path and disk_size_bytes > 0, got "
+                             f"{self.disk_path!r} and {self.disk_size_bytes}")
+        if self.disk_io_threads < 1:
+            raise ValueError(f"disk_io_threads must be >= 1, got {self.disk_io_threads}")

@@ -14,6 +14,8 @@ from tierstore.errors import ShapeError
 
 DIRECTIONS = ("l1_to_l2", "l1_to_l3", "l2_to_l3", "l2_to_l1", "l3_to_l1", "l3_to_l2")
 HIT_TIERS = ("l1", "l2", "l3")
+# With a disk tier, "disk" hits and the l1/l2_to_disk, disk_to_l1/l3 moves are added on first use.
+_NAMES = {1: "l1", 2: "l2", 3: "l3", 4: "disk"}
 
 
 class Ledger:
@@ -66,13 +68,18 @@ class Ledger:
         self.tokens_queried += tokens
 
     def hit(self, tokens_by_tier: dict[int, int]) -> None:
-        """A served request: matched tokens per source tier (1, 2, 3)."""
+        """A served request: matched tokens per source tier (1, 2, 3; 4: disk)."""
         self.requests_hit += 1
         self.tokens_hit += sum(tokens_by_tier.values())
+        hit = self.hit_tokens
         for tier, n in tokens_by_tier.items():
-            self.hit_tokens[f"l{tier}"] += n
-        deepest = max((t for t, n in tokens_by_tier.items() if n), default=1)
-        self.hit_requests[f"l{deepest}"] += 1
+            name = _NAMES[tier]
+            hit[name] = hit.get(name, 0) + n
+        # the farthest tier (disk sits between L2 and L3) that served part of the request
+        deepest = max((t for t, n in tokens_by_tier.items() if n), default=1,
+                      key=lambda t: 2.5 if t == 4 else t)
+        name = _NAMES[deepest]
+        self.hit_requests[name] = self.hit_requests.get(name, 0) + 1
 
     def miss(self) -> None:
         self.hit_requests["miss"] += 1
@@ -83,4 +90,4 @@ class Ledger:
             self.evicted[kind] += n
 
     def move(self, direction: str, nbytes: int) -> None:
-        self.moved[direction] += nbytes
+        self.moved[direction] = self.moved.get(direction, 0) + nbytes

@@ -7,6 +7,10 @@ in L2 down to L2 (making room there by demoting L2 leaves to L3), or straight to
 host tier; evicting from L2 writes what L3 lacks to L3. A copy kept in a lower tier stays there
 after promotion, so demoting the same page again costs nothing. A node is dropped once no tier
 holds any of it.
+
+With a local disk tier (:mod:`tierstore.disk`) the chain is L1 -> L2 -> disk -> L3: L1 evicts
+to L2 (to the disk when L2 cannot take it, or without a host tier), L2 evicts to the disk and
+the disk to L3; a hit promotes from the nearest tier holding each entry.
 """
 
 from __future__ import annotations
@@ -20,12 +24,13 @@ import torch
 
 from tierstore.eviction import StopCondition, victims
 from tierstore.prefetch import Entry, Prefetcher
-from tierstore.radix import ABSENT, CHECKPOINT, PAGE_KINDS, Node, Segment, Tier
+from tierstore.radix import ABSENT, CHAIN, CHECKPOINT, PAGE_KINDS, TIER_NAMES, Node, Segment, Tier
 
 if TYPE_CHECKING:
     from gpu_arena import Arena
     from host_tier import HostTier
     from tierstore.config import StoreConfig
+    from tierstore.disk import DiskBridge
     from tierstore.layout import ModelLayout
     from tierstore.ledger import Ledger
     from tierstore.radix import RadixIndex
@@ -38,11 +43,12 @@ class Mover:
     """Moves a store's envelopes between its tiers; owns no state but the prefetcher's."""
 
     def __init__(self, arena: Arena, host: HostTier | None, remote: RemoteBridge | None,
-                 index: RadixIndex, layout: ModelLayout, ledger: Ledger, config: StoreConfig
-                 ) -> None:
+                 index: RadixIndex, layout: ModelLayout, ledger: Ledger, config: StoreConfig,
+                 disk: DiskBridge | None = None) -> None:
         self.arena = arena
         self.host = host
         self.remote = remote
+        self.disk = disk
         self.index = index
         self.layout = layout
         self.ledger = ledger
@@ -71,6 +77,8 @@ class Mover:
     def evict_l1(self, node: Node) -> dict[str, int]:
         """Demote ``node``'s L1 data (to L2, else L3), free it; blocks freed per kind."""
         kept = self.host is not None and self._to_l2(node)
+        if not kept and self.disk is not None:
+            kept = self.disk.store(self, node, Tier.L1)
         if not kept and self.remote is not None:
             self._to_l3(node, Tier.L1)
         freed = self._release(node, Tier.L1)
@@ -96,7 +104,8 @@ class Mover:
             leaf = self.index.next_victim(Tier.L2)
             if leaf is None:
                 return False
-            if self.remote is not None:
+            kept = self.disk is not None and self.disk.store(self, leaf, Tier.L2)
+            if not kept and self.remote is not None:
                 self._to_l3(leaf, Tier.L2)
             self._release(leaf, Tier.L2)
             self._prune(leaf, Tier.L2)
@@ -141,32 +150,51 @@ class Mover:
         """Write the node's ``tier`` data that L3 lacks to Redis, pages in order, state last."""
         remote = self.remote
         assert remote is not None
-        arena = self.arena if tier == Tier.L1 else self.host.arena  # type: ignore[union-attr]
         pages = []  # (page index, kind's rank, kind, bytes): pages in order, kv before swa
         for rank, kind in enumerate(self.page_kinds):
             ids, in_l3 = node.ids(tier, kind), node.ids(Tier.L3, kind)
             js = [j for j, v in enumerate(ids) if v >= 0 and in_l3[j] < 0]
             if js:
-                rows = arena.read(kind, [ids[j] for j in js]).cpu().numpy()
-                pages += [(j, rank, kind, row) for j, row in zip(js, rows, strict=True)]
+                rows, fine = self._rows(node, tier, kind, js)
+                pages += [(j, rank, kind, row) for j, row, good in zip(js, rows, fine,
+                                                                        strict=True) if good]
         pages.sort(key=lambda page: page[:2])
         entries = [(kind, j) for j, _, kind, _ in pages]
         items = [(remote.key(node.keys[j], kind), row) for j, _, kind, row in pages]
         if "state" in self.kinds and node.checkpoint(tier) >= 0 \
                 and node.checkpoint(Tier.L3) < 0:
-            entries.append((CHECKPOINT, 0))
-            items.append((remote.key(node.keys[-1], CHECKPOINT),
-                          arena.read(CHECKPOINT, [node.checkpoint(tier)]).cpu().numpy()[0]))
+            state, good = self._rows(node, tier, CHECKPOINT, [0])
+            if good[0]:
+                entries.append((CHECKPOINT, 0))
+                items.append((remote.key(node.keys[-1], CHECKPOINT), state[0]))
         written = remote.put(items)
-        direction = "l1_to_l3" if tier == Tier.L1 else "l2_to_l3"
+        direction = f"{TIER_NAMES[Tier(tier)]}_to_l3"
         for (kind, j), ok, (_, payload) in zip(entries, written, items, strict=True):
             if ok:
                 self.index.set(node, Tier.L3, kind, j, 1)
                 self.ledger.move(direction, len(payload))
 
+    def _rows(self, node: Node, tier: int, kind: str, js: list[int]
+              ) -> tuple[np.ndarray, list[bool]]:
+        """The node's ``tier`` rows of ``kind`` at page indexes ``js`` and which are good (a
+        disk slot that fails verification is not; it is marked absent)."""
+        if tier == Tier.DISK:
+            assert self.disk is not None
+            rows, ok = self.disk.read(kind, [(node, j, 4) for j in js])
+            for j, good in zip(js, ok, strict=True):
+                if not good:
+                    self.index.set(node, Tier.DISK, kind, j, ABSENT)
+            return rows, ok
+        arena = self.arena if tier == Tier.L1 else self.host.arena  # type: ignore[union-attr]
+        ids = [node.entry(tier, kind, j) for j in js]
+        return arena.read(kind, ids).cpu().numpy(), [True] * len(js)
+
     # ------------------------------------------------------------------ release
     def _release(self, node: Node, tier: int) -> dict[str, int]:
-        """Free the node's blocks in ``tier`` (L1 or L2); blocks freed per kind."""
+        """Free the node's blocks in ``tier`` (L1, L2 or disk); blocks freed per kind."""
+        if tier == Tier.DISK:
+            assert self.disk is not None
+            return self.disk.release(self.index, node)
         arena = self.arena if tier == Tier.L1 else self.host.arena  # type: ignore[union-attr]
         removed = self.index.clear(node, tier)
         for kind, ids in removed.items():
@@ -196,17 +224,18 @@ class Mover:
         tier) per kind, and its KV pages per source tier."""
         window = self.layout.swa_window_pages()
         wanted: dict[str, list[Entry]] = {k: [] for k in self.kinds}
-        sources = {1: 0, 2: 0, 3: 0}
+        sources = {1: 0, 2: 0, 3: 0, 4: 0} if self.disk is not None else {1: 0, 2: 0, 3: 0}
         pos = 0
         for seg in path:
             n = seg.node
             for kind in self.page_kinds:
                 first = max(0, pages - window - pos) if kind == "swa" else 0
-                cols = (n.ids(Tier.L1, kind), n.ids(Tier.L2, kind), n.ids(Tier.L3, kind))
+                cols = (n.ids(Tier.L1, kind), n.ids(Tier.L2, kind), n.ids(Tier.L3, kind),
+                        n.ids(Tier.DISK, kind))
                 out = wanted[kind]
                 for j in range(first, min(seg.pages, pages - pos)):
                     tier = 1 if cols[0][j] >= 0 else 2 if cols[1][j] >= 0 else \
-                        3 if cols[2][j] >= 0 else 0
+                        4 if cols[3][j] >= 0 else 3 if cols[2][j] >= 0 else 0
                     if kind == "kv":
                         sources[tier or 1] += 1
                     if tier >= 2:
@@ -273,6 +302,9 @@ class Mover:
             host_ids = [entries[i][0].entry(Tier.L2, kind, entries[i][1]) for i in from_l2]
             self.host.load(self.arena, kind, host_ids, ids[from_l2])
             self.ledger.move("l2_to_l1", len(from_l2) * unit)
+        from_disk = [i for i, e in enumerate(entries) if e[2] == 4] if self.disk else []
+        if from_disk:
+            status = self._load_disk(kind, entries, from_disk, ids, ok)
         if from_l3:
             assert self.remote is not None
             fetched = self.remote.get([self.key_of(entries[i], kind) for i in from_l3], timeout)
@@ -292,7 +324,7 @@ class Mover:
                         self.index.set(node, Tier.L3, kind, j, ABSENT)
             if fetched is None:
                 status = "unavailable"
-            elif len(good) < len(from_l3):
+            elif len(good) < len(from_l3) and status == "ok":
                 status = "partial"
         id_list = ids.tolist()
         bad = [id_list[i] for i in range(len(entries)) if not ok[i]]
@@ -306,6 +338,24 @@ class Mover:
         self.ledger.adopt(kind, kept)
         return status
 
+    def _load_disk(self, kind: str, entries: list[Entry], which: list[int],
+                   ids: torch.Tensor, ok: list[bool]) -> str:
+        """Fill L1 blocks ``ids[which]`` from disk; a slot that fails verification is marked
+        absent and its entry not ok ("partial"), else "ok"."""
+        assert self.disk is not None
+        rows, good = self.disk.read(kind, [entries[i] for i in which])
+        keep = [k for k, g in enumerate(good) if g]
+        if keep:
+            self.arena.write(kind, ids[[which[k] for k in keep]],
+                             torch.from_numpy(rows[keep]).to(self.arena.device))
+            self.ledger.move("disk_to_l1", len(keep) * rows.shape[1])
+        for k, g in enumerate(good):
+            if not g:
+                node, j, _ = entries[which[k]]
+                ok[which[k]] = False
+                self.index.set(node, Tier.DISK, kind, j, ABSENT)
+        return "ok" if len(keep) == len(which) else "partial"
+
     def key_of(self, entry: Entry, kind: str) -> str:
         """The Redis key of one entry (a page's envelope, or the checkpoint at a node end)."""
         assert self.remote is not None
@@ -317,6 +367,8 @@ class Mover:
         """Write-through: copy the node's L1 data to every lower tier that lacks it."""
         if self.host is not None:
             self._to_l2(node)
+        if self.disk is not None:
+            self.disk.store(self, node, Tier.L1)
         if self.remote is not None:
             self._to_l3(node, Tier.L1)
 
@@ -329,7 +381,7 @@ class Mover:
 
 def _source(node: Node, kind: str, j: int) -> int:
     """The nearest tier holding an entry (0: nowhere)."""
-    for tier in (Tier.L1, Tier.L2, Tier.L3):
+    for tier in CHAIN:
         if node.entry(tier, kind, j) >= 0:
             return int(tier)
     return 0

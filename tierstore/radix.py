@@ -1,10 +1,11 @@
 """Radix prefix index at page granularity, with typed per-tier residency.
 
 A node owns a run of pages (chained page keys) and, per tier and kind, where each page's
-envelope lives: L1 and L2 virtual ids, and for L3 a presence flag (the Redis key derives from
-the page key); ``ABSENT`` (-1) where a tier does not hold it. An absent ``swa`` page beside a
-present ``kv`` page is a *tombstone*. A recurrent-state checkpoint exists only at a node's end,
-again per tier. Locks propagate to the root, so a locked node's ancestors are locked too.
+envelope lives: L1 and L2 virtual ids, disk slot numbers, and for L3 a presence flag (the
+Redis key derives from the page key); ``ABSENT`` (-1) where a tier does not hold it. An
+absent ``swa`` page beside a present ``kv`` page is a *tombstone*. A recurrent-state
+checkpoint exists only at a node's end, again per tier. Locks propagate to the root, so a
+locked node's ancestors are locked too.
 
 Every residency change goes through the index (:meth:`RadixIndex.set`,
 :meth:`RadixIndex.clear`), which keeps per-node counts (entries held per tier, children
@@ -31,14 +32,18 @@ CHECKPOINT = "state"
 
 
 class Tier(IntEnum):
-    """Where an entry lives: the device arena, the host arena, Redis."""
+    """Where an entry lives: the device arena, the host arena, Redis, the local disk (its
+    number is not its place in the chain: see ``CHAIN``)."""
 
     L1 = 1
     L2 = 2
     L3 = 3
+    DISK = 4
 
 
-TIERS = (Tier.L1, Tier.L2, Tier.L3)
+TIERS = (Tier.L1, Tier.L2, Tier.L3, Tier.DISK)
+CHAIN = (Tier.L1, Tier.L2, Tier.DISK, Tier.L3)  # nearest first: demotion walks down it
+TIER_NAMES: dict[int, str] = {Tier.L1: "l1", Tier.L2: "l2", Tier.L3: "l3", Tier.DISK: "disk"}
 Key = Callable[["Node"], tuple[float, ...]]
 
 

@@ -123,6 +123,7 @@ class StoreStats:
     # curves per tier (tierstore.mrc), when the store keeps them.
     attribution: dict[str, object] | None = None
     mrc: dict[str, object] | None = None
+    disk: dict[str, object] | None = None  # the disk tier's occupancy and counters
 
     @property
     def hit_rate(self) -> float:

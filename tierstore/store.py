@@ -21,6 +21,7 @@ from tierstore import checks
 from tierstore.attribution import Attribution, Explanation, explain, settle
 from tierstore.checks import Blocks
 from tierstore.config import StoreConfig
+from tierstore.disk import DiskBridge
 from tierstore.errors import LeaseError
 from tierstore.eviction import make_policy
 from tierstore.hashing import PageHasher, check_namespace
@@ -28,7 +29,7 @@ from tierstore.layout import ModelLayout
 from tierstore.ledger import Ledger
 from tierstore.movement import Mover
 from tierstore.mrc import shadow_for
-from tierstore.radix import CHECKPOINT, Node, RadixIndex, Segment, Tier
+from tierstore.radix import CHECKPOINT, TIER_NAMES, Node, RadixIndex, Segment, Tier
 from tierstore.remote import RemoteBridge
 from tierstore.results import (
     Allocation,
@@ -71,13 +72,20 @@ class TierStore:
         self.host = HostTier(config.host_capacity_bytes, pools) \
             if config.host_capacity_bytes else None
         self.remote = RemoteBridge(config.remote, layout.fingerprint) if config.remote else None
+        self.disk = DiskBridge(config, self._units, layout.fingerprint) \
+            if config.disk_path else None
         self.policy = make_policy(config.eviction)
         self.index = RadixIndex(self.policy.key)
         self.hasher = PageHasher(layout.name, layout.fingerprint, layout.page_size,
                                  config.hash_algorithm)
         self.ledger = Ledger(self.kinds)
         self.mover = Mover(self.arena, self.host, self.remote, self.index, layout, self.ledger,
-                           config)
+                           config, self.disk)
+        # Tiers a match may use: all, and those that never block (L3 can)
+        self._every: tuple[int, ...] = (1, 2, 3, 4) if self.disk else (1, 2, 3)
+        self._near: tuple[int, ...] = (1, 2, 4) if self.disk else (1, 2)
+        if self.disk is not None:  # what a previous run left on disk hits again
+            self.disk.rebuild(self.index, self.disk.tier.recovered)
         self.attribution = Attribution()  # why matches missed; its ghost hears of drops
         self.mover.on_drop = self.attribution.ghost.add
         retention = config.swa_retention
@@ -88,9 +96,12 @@ class TierStore:
         self.mrc = shadow_for(self)  # what 0.5x-4x of each tier would hit
 
     def close(self) -> None:
-        """Stop the L3 connection thread (the arenas need no closing)."""
+        """Stop the L3 connection thread and the disk tier's workers (the arenas need no
+        closing)."""
         if self.remote is not None:
             self.remote.close()
+        if self.disk is not None:
+            self.disk.close()
 
     def __enter__(self) -> TierStore:
         return self
@@ -122,10 +133,11 @@ class TierStore:
                 prefetch.discover(keys, timeout)
         self.ledger.queried(len(toks))
         self.mrc.reference(keys, len(toks))
-        tiers: tuple[int, ...] = (1, 2) if best_effort else (1, 2, 3)
+        near, every = self._near, self._every  # the disk counts only when there is one
+        tiers: tuple[int, ...] = near if best_effort else every
         full = None  # pages the rule allows counting every tier (for attribution)
         if best_effort and prefetch is not None:
-            full = deeper = self._usable(self.index.walk(keys), (1, 2, 3))[0]
+            full = deeper = self._usable(self.index.walk(keys), every)[0]
             if deeper > self._usable(self.index.walk(keys), tiers)[0]:
                 prefetch.prefetch(keys, deeper)
         why: Explanation | None = None
@@ -151,7 +163,7 @@ class TierStore:
             if status == "no_room":  # L1 cannot take the lower tiers' part: serve L1 alone
                 tiers = (1,)
             elif status == "unavailable":  # Redis is down or slow: serve L1 + L2 this time
-                tiers = (1, 2)
+                tiers = near
             # "partial": entries missing in L3 are now marked absent there; plan again
         self.ledger.miss()
         _, found = self._usable(self.index.walk(keys), tiers)
@@ -171,7 +183,7 @@ class TierStore:
         counted in the store's attribution totals."""
         page = self.layout.page_size
         lost, evicted = settle(why, plans, pages, page, n_tokens - len(keys) * page)
-        hits = {f"l{t}": n * page for t, n in sources.items()}
+        hits = {TIER_NAMES[t]: n * page for t, n in sources.items()}
         self.attribution.record(namespace, n_tokens, hits, lost, evicted, why, page)
         return lost, evicted
 
@@ -189,7 +201,7 @@ class TierStore:
         kv = [v for seg in path for v in seg.node.ids(Tier.L1, "kv")[: seg.pages]]
         swa = [v for seg in path for v in seg.node.ids(Tier.L1, "swa")[: seg.pages]]
         state = node.checkpoint(Tier.L1) if self.layout.state is not None else None
-        tiers = {f"l{t}": sources[t] * page for t in (1, 2, 3)}
+        tiers = {TIER_NAMES[t]: n * page for t, n in sources.items()}
         return MatchResult(pages * page, pages, torch.tensor(kv, dtype=torch.long),
                            torch.tensor(swa, dtype=torch.long), state, Lease(node, self), found,
                            tiers, *lost)
@@ -452,6 +464,7 @@ class TierStore:
                           dict(ledger.hit_requests), dict(ledger.moved),
                           self.host.arena.stats() if self.host else None,
                           self.remote.stats() if self.remote else None,
+                          disk=self.disk.tier.snapshot() if self.disk else None,
                           attribution=self.attribution.snapshot(), mrc=self.mrc.curves())
 
     def check_integrity(self) -> None:
