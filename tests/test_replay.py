@@ -302,7 +302,7 @@ def test_mrc_estimates_are_checked_against_resized_replays(tmp_path: Path) -> No
     result = run(setup)
     (row,) = result["rows"]
     curve = row["mrc"]["tiers"]["l1"]
-    assert row["mrc"]["sampling"]["rate"] == 1.0
+    assert 0 < row["mrc"]["sampling"]["rate"] <= 1
     assert curve["hit_rate"] == sorted(curve["hit_rate"]) and curve["hit_rate"][-1] > 0
     checked = mrc_check.check(setup, result, multiples=(0.5, 2.0))
     points = checked["points"]

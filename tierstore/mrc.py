@@ -33,6 +33,9 @@ if TYPE_CHECKING:
 MULTIPLES = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0)
 _SPACE = 1 << 32  # sampling is on the low 32 bits of the key's hash
 DEFAULT_MAX_TRACKED = 16_384
+# Pages start sampled at 1/16 (candidate ends at 1): on the shipped trace that is within
+# 0.9 points of the unsampled curve, at a sixteenth of the per-page work.
+DEFAULT_RATE = 1 / 16
 
 
 class _Fenwick:
@@ -67,7 +70,7 @@ class Shadow:
 
     def __init__(self, capacities: Mapping[str, int | None], units: Mapping[str, int],
                  page_size: int, *, swa_window_pages: int = 0, swa_window_only: bool = False,
-                 rate: float = 1.0, max_tracked: int = DEFAULT_MAX_TRACKED,
+                 rate: float = DEFAULT_RATE, max_tracked: int = DEFAULT_MAX_TRACKED,
                  multiples: Sequence[float] = MULTIPLES, unbounded_below: bool = False
                  ) -> None:
         if not 0 < rate <= 1:

@@ -102,7 +102,7 @@ def run(shadow: Shadow, oracles: dict[float, ExactLRU], ops: list) -> int:
 def test_unsampled_shadow_equals_an_exact_lru_at_every_size() -> None:
     capacity = 30_000
     ops = workload(600, seed=1)
-    shadow = Shadow({"l1": capacity}, UNITS, PAGE)
+    shadow = Shadow({"l1": capacity}, UNITS, PAGE, rate=1.0)
     oracles = {m: ExactLRU(m * capacity) for m in MULTIPLES}
     tokens = run(shadow, oracles, ops)
     curve = shadow.curves()["tiers"]["l1"]["hit_rate"]  # type: ignore[index]
@@ -115,7 +115,7 @@ def test_unsampled_shadow_equals_an_exact_lru_at_every_size() -> None:
 
 def test_two_tiers_read_as_one_lru_hierarchy() -> None:
     ops = workload(600, seed=2)
-    shadow = Shadow({"l1": 10_000, "l2": 20_000}, UNITS, PAGE)
+    shadow = Shadow({"l1": 10_000, "l2": 20_000}, UNITS, PAGE, rate=1.0)
     sizes = {"l1": 10_000, "both": 30_000, "l2x2": 50_000}
     oracles = {s: ExactLRU(c) for s, c in sizes.items()}
     tokens = run(shadow, oracles, ops)
@@ -132,8 +132,8 @@ def test_two_tiers_read_as_one_lru_hierarchy() -> None:
 def test_sampled_shadow_stays_close_and_bounded() -> None:
     capacity = 60_000
     ops = workload(1500, seed=3)
-    exact_shadow = Shadow({"l1": capacity}, UNITS, PAGE)
-    sampled = Shadow({"l1": capacity}, UNITS, PAGE, max_tracked=300)
+    exact_shadow = Shadow({"l1": capacity}, UNITS, PAGE, rate=1.0)
+    sampled = Shadow({"l1": capacity}, UNITS, PAGE, max_tracked=300)  # starts at 1/16
     run(exact_shadow, {}, ops)
     run(sampled, {}, ops)
     info = sampled.curves()["sampling"]  # type: ignore[index]
