@@ -13,6 +13,7 @@ served from L1, L2 or L3 (promoted back) or recomputed. Redis throughput itself 
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
 
 import torch
@@ -36,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Redis for L3 (default: start a private redis-server)")
     parser.add_argument("--copy-sizes-kib", default="256,1024,4096")
     parser.add_argument("--copy-mib", type=int, default=128)
+    parser.add_argument("--disk-mib", type=float, default=0.0,
+                        help="also run the unified rule with L2 + a local disk tier of this "
+                             "size (in a temporary directory) and no Redis (0: skip)")
     parser.set_defaults(prefixes=28)
 
 
@@ -65,18 +69,22 @@ def _host_copy(unit: int, total: int, repeat: int = 5) -> dict[str, float | None
             "copy_gbps": n * unit / min(copy_t) / 1e9, "ratio": ratio(min(copy_t), min(store_t))}
 
 
-def _tiered(args: argparse.Namespace, url: str, rule: str) -> dict[str, object]:
+def _tiered(args: argparse.Namespace, url: str | None, rule: str, disk: str | None = None
+            ) -> dict[str, object]:
     layout = load_preset(args.model)
     pages = args.prefix_tokens // layout.page_size
     tokens = pages * layout.page_size
     per_prefix = retention._bytes(layout, retention._demand(layout, tokens, True))
     capacity = -(-(args.prefixes * per_prefix + int(args.slack_mib * MiB)) // 256) * 256
     # The 77 MB Qwen3-Next checkpoints are split over 16 MiB values (chunk_bytes).
-    remote = RemoteTierConfig(url=url, key_prefix=f"bench-{rule}", op_timeout_s=5.0)
+    remote = RemoteTierConfig(url=url, key_prefix=f"bench-{rule}", op_timeout_s=5.0) \
+        if url else None
     config = StoreConfig(capacity_bytes=capacity, stop_rule=rule,  # type: ignore[arg-type]
-                         host_capacity_bytes=int(args.host_mib * MiB), remote=remote)
+                         host_capacity_bytes=int(args.host_mib * MiB), remote=remote,
+                         disk_path=disk, disk_size_bytes=int(args.disk_mib * MiB) if disk else 0)
     with TierStore(layout, config) as store:
-        store.remote.clear()  # type: ignore[union-attr]
+        if store.remote is not None:
+            store.remote.clear()
         retention.fill_prefixes(store, args.prefixes, tokens)
         long_request = store.allocate(retention._demand(layout, args.long_tokens, True))
         assert long_request is not None, "the long request does not fit"
@@ -92,10 +100,13 @@ def _tiered(args: argparse.Namespace, url: str, rule: str) -> dict[str, object]:
                 store.release(m.lease)
         elapsed = time.perf_counter() - start
         after = store.stats()
-        served = {t: after.hit_requests[t] - before[t] for t in ("l1", "l2", "l3", "miss")}
+        served = {t: after.hit_requests.get(t, 0) - before.get(t, 0)
+                  for t in ("l1", "l2", "disk", "l3", "miss")}
         store.check_integrity()
-        store.remote.clear()  # type: ignore[union-attr]
-        return {"rule": rule, **{f"from_{t}": n for t, n in served.items()},
+        if store.remote is not None:
+            store.remote.clear()
+        return {"rule": rule + ("+disk" if disk else ""),
+                **{f"from_{t}": n for t, n in served.items()},
                 "recomputed_tokens": recomputed, "repeat_wall_s": elapsed,
                 "moved_mib": {k: v / MiB for k, v in after.moved_bytes.items() if v}}
 
@@ -110,6 +121,9 @@ def run(args: argparse.Namespace) -> dict:
 
         with RedisServer() as server:
             rows = [_tiered(args, server.url, rule) for rule in ("unified", "per_kind")]
+    if args.disk_mib > 0:
+        with tempfile.TemporaryDirectory(prefix="tierstore-bench-tiers-") as where:
+            rows.append(_tiered(args, None, "unified", where))
     return {"host_copy": copies, "retention_with_tiers": rows, "model": args.model,
             "prefixes": args.prefixes, "host_mib": args.host_mib}
 
@@ -122,8 +136,9 @@ def render(result: dict) -> str:
         table(result["host_copy"], ["envelope_kib", "mib", "host_store_gbps", "copy_gbps",
                                     "ratio"]),
         "",
-        f"retention with L2 ({result['host_mib']:.0f} MiB) + L3 (Redis), {result['model']}, "
+        f"retention with L2 ({result['host_mib']:.0f} MiB) + L3 (Redis) (+disk: L2 + the local "
+        f"disk tier, no Redis), {result['model']}, "
         f"{result['prefixes']} prefixes re-requested after the long request:",
-        table(rows, ["rule", "from_l1", "from_l2", "from_l3", "from_miss",
+        table(rows, ["rule", "from_l1", "from_l2", "from_disk", "from_l3", "from_miss",
                      "recomputed_tokens", "repeat_wall_s"]),
     ])

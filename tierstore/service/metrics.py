@@ -89,8 +89,36 @@ class StoreCollector(Collector):
             for node, state in dict(s.remote.get("breakers", {})).items():  # type: ignore[call-overload]
                 circuit.add_metric([node], 0.0 if "closed" in str(state).lower() else 1.0)
             yield circuit
+        if s.disk is not None:
+            yield from _disk(s.disk)
         for name, value in self.extra.items():
             yield GaugeMetricFamily(f"tierstore_{name}", name.replace("_", " "), value=value)
+
+
+def _disk(d: dict[str, object]) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """The local disk tier: its bytes, slots per kind, I/O and verification misses."""
+    size = GaugeMetricFamily("tierstore_disk_bytes", "Disk tier bytes (slab files; used: "
+                             "slots holding envelopes)", labels=["state"])
+    size.add_metric(["capacity"], float(d["capacity_bytes"]))  # type: ignore[arg-type]
+    size.add_metric(["used"], float(d["used_bytes"]))  # type: ignore[arg-type]
+    yield size
+    slots = GaugeMetricFamily("tierstore_disk_slots", "Disk tier slots by kind and state",
+                              labels=["kind", "state"])
+    used: dict[str, int] = d["used"]  # type: ignore[assignment]
+    for kind, n in dict(d["slots"]).items():  # type: ignore[call-overload]
+        slots.add_metric([kind, "total"], n)
+        slots.add_metric([kind, "used"], used.get(kind, 0))
+    yield slots
+    io = CounterMetricFamily("tierstore_disk_io_bytes", "Disk tier envelope bytes by op",
+                             labels=["op"])
+    io.add_metric(["read"], float(d["bytes_read"]))  # type: ignore[arg-type]
+    io.add_metric(["write"], float(d["bytes_written"]))  # type: ignore[arg-type]
+    yield io
+    yield CounterMetricFamily("tierstore_disk_misses", "Disk slots that failed verification "
+                              "(torn, stale, forged): read as misses",
+                              value=float(d["misses"]))  # type: ignore[arg-type]
+    yield GaugeMetricFamily("tierstore_disk_recovered", "Slots found at start, left by a "
+                            "previous run", value=float(d["recovered"]))  # type: ignore[arg-type]
 
 
 def _evictions(s: StoreStats) -> CounterMetricFamily:

