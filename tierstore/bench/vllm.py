@@ -10,16 +10,18 @@ Block sizes are those of two real presets: a 16-token block of every full-attent
 
 - ``fs``: vLLM's filesystem tier on a temporary directory (``--dir``), its default 16 + 16
   threads; O_DIRECT where the filesystem takes it, else buffered (reported);
-- ``tierstore shm``: the tierstore tier against an in-process ``tierstore serve`` whose
-  storage API keeps a host copy in a shared segment and writes every block through to a
-  private valkey/redis-server; the tier copies each block between the primary row and the
-  segment itself;
-- ``tierstore http``: the same service, every block over HTTP.
+- ``tierstore shm``: the tierstore tier against ``tierstore serve`` (a child process, as
+  vLLM would use it) whose storage API keeps a host copy in a shared segment and writes every
+  block through to a private valkey/redis-server (the shared fleet tier); the tier copies each
+  block between the primary row and the segment itself;
+- ``tierstore http``: the same service, every block over HTTP;
+- ``tierstore shm, no L3``: shared memory to a service without Redis: host-local, like fs.
 
-Each round stores fresh keys, then (untimed) drops the page cache of the fs tier's files,
-waits for the service's background Redis writes, then loads every block into other rows
-(bytes checked, untimed). ``echo 1 > /proc/sys/vm/drop_caches`` is tried first; where it is
-refused, ``posix_fadvise(DONTNEED)`` on every file of the fs tier (reported as
+One untimed warm-up round per contender first (segment pages, directories, connections).
+Each round stores fresh keys, then (untimed) drops the page cache and waits for the service's
+background Redis writes, then loads every block into other rows (bytes checked, untimed). The
+fs tier is not fsynced, as vLLM runs it. ``echo 1 > /proc/sys/vm/drop_caches`` is tried first;
+where it is refused, ``posix_fadvise(DONTNEED)`` on every file of the fs tier (reported as
 ``page_cache``). Needs vLLM (``pip install --no-deps vllm==0.33.0`` and
 ``pip install 'tierstore[vllm]'``) and ``redis-server``/valkey.
 """
@@ -29,24 +31,25 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import json
+import mmap
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+import urllib.request
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-from remote_tier import RemoteTierConfig
 from remote_tier.embedded import RedisServer
 from tierstore.bench._util import fmt_ratio, ratio, table
-from tierstore.config import StoreConfig
 from tierstore.layout import load_preset
-from tierstore.reference_model import tiny_layout
-from tierstore.service.config import ServiceConfig
-from tierstore.service.running import RunningService, free_port
-from tierstore.store import TierStore
+from tierstore.service.running import free_port
 
 _INSTALL = "pip install --no-deps vllm==0.33.0 && pip install 'tierstore[vllm]'"
 PRESETS = ("gpt-oss-20b", "nemotron-h-8b")
@@ -104,7 +107,9 @@ def _preset(args: argparse.Namespace, name: str, factory: Any, spec_cls: Any) ->
     row = -(-layout.kv.raw_nbytes // 4096) * 4096  # vLLM pads a row to the page size
     n = args.blocks
     # Rows [0, n) hold the stored blocks; loads go into rows [n, 2n).
-    primary = np.zeros((2 * n, row), dtype=np.int8)
+    # Page-aligned, as vLLM's primary region (an mmap) is: O_DIRECT needs aligned buffers.
+    region = mmap.mmap(-1, 2 * n * row)
+    primary = np.frombuffer(region, dtype=np.int8).reshape(2 * n, row)
     primary[:n] = np.random.default_rng(0).integers(-128, 128, (n, row), dtype=np.int8)
     view = primary.data  # the 2-D memoryview vLLM hands its tiers
     spec = _spec(spec_cls, layout.name, row, 2 * n)
@@ -112,30 +117,35 @@ def _preset(args: argparse.Namespace, name: str, factory: Any, spec_cls: Any) ->
     with contextlib.ExitStack() as stack:
         tmp = stack.enter_context(tempfile.TemporaryDirectory(dir=args.dir))
         redis = stack.enter_context(RedisServer())
-        store = TierStore(tiny_layout(), StoreConfig(capacity_bytes=1 << 20))
-        svc = RunningService(store, ServiceConfig(port=free_port(), kv_host_bytes=3 * working),
-                             RemoteTierConfig(url=redis.url, key_prefix="bench-vllm",
-                                              max_value_bytes=max(64 << 20, 2 * row))).start()
-        stack.callback(svc.stop)
+        host = f"{-(-3 * working // 2**20)}MiB"
+        shared = stack.enter_context(_serve(["--redis-url", redis.url, "--kv-host", host]))
+        local = stack.enter_context(_serve(["--no-redis", "--kv-host", host]))
         ours = {"type": "TierStoreTier", "module_path": "tierstore.integrations.vllm",
-                "url": svc.url, "load_threads": args.threads, "store_threads": args.threads,
+                "load_threads": args.threads, "store_threads": args.threads,
                 "max_batch": args.job_blocks}
         tiers = {"fs": factory.create_secondary_tier({"type": "fs", "root_dir": tmp}, view,
                                                      spec),
                  "tierstore shm": factory.create_secondary_tier(
-                     {**ours, "transport": "shm"}, view, spec),
+                     {**ours, "url": shared, "transport": "shm"}, view, spec),
                  "tierstore http": factory.create_secondary_tier(
-                     {**ours, "transport": "http"}, view, spec)}
+                     {**ours, "url": shared, "transport": "http"}, view, spec),
+                 "tierstore shm, no L3": factory.create_secondary_tier(
+                     {**ours, "url": local, "transport": "shm"}, view, spec)}
+        urls = {"tierstore shm": shared, "tierstore http": shared,
+                "tierstore shm, no L3": local}
         for tier in tiers.values():
             stack.callback(tier.shutdown)
         samples: dict[str, dict[str, list[float]]] = {
             label: {"store": [], "load": []} for label in tiers}
         cache_modes: set[str] = set()
         order = list(tiers)
+        for label in order:  # untimed: first touch of segments, directories, connections
+            _round(tiers[label], f"{name}/warm/{label}", primary, n, args.job_blocks, tmp,
+                   urls.get(label))
         for r in range(args.rounds):
             for label in order[r % len(order):] + order[:r % len(order)]:
                 store_s, load_s, mode = _round(tiers[label], f"{name}/{r}/{label}", primary,
-                                               n, args.job_blocks, tmp, svc)
+                                               n, args.job_blocks, tmp, urls.get(label))
                 samples[label]["store"].append(store_s)
                 samples[label]["load"].append(load_s)
                 if label == "fs":
@@ -156,7 +166,7 @@ def _preset(args: argparse.Namespace, name: str, factory: Any, spec_cls: Any) ->
 
 
 def _round(tier: Any, tag: str, primary: np.ndarray, n: int, job_blocks: int, fs_dir: str,
-           svc: RunningService) -> tuple[float, float, str]:
+           url: str | None) -> tuple[float, float, str]:
     """Seconds to store rows [0, n) under fresh keys, and to load them into rows [n, 2n);
     how the page cache was dropped in between."""
     from vllm.v1.kv_offload.base import ReqContext, make_offload_key
@@ -181,7 +191,7 @@ def _round(tier: Any, tag: str, primary: np.ndarray, n: int, job_blocks: int, fs
     _wait(tier, len(stores), tag)
     store_s = time.perf_counter() - start
     mode = _drop_page_cache(fs_dir)
-    while svc.service.kv.stats()["redis_behind_bytes"]:  # untimed: Redis writes behind
+    while url is not None and _behind_bytes(url):  # untimed: Redis writes still behind
         time.sleep(0.001)
     start = time.perf_counter()
     for job in loads:
@@ -201,6 +211,48 @@ def _wait(tier: Any, count: int, tag: str) -> None:
         done += len(finished)
         if done < count:
             time.sleep(0.0002)
+
+
+@contextlib.contextmanager
+def _serve(flags: list[str]) -> Iterator[str]:
+    """``tierstore serve`` in a child process on a free loopback port (as vLLM would use it:
+    not sharing the benchmark's interpreter); yields its URL, stops it by its pid."""
+    port = free_port()
+    child = subprocess.Popen(
+        [sys.executable, "-m", "tierstore.cli", "serve", "--port", str(port), "--device", "cpu",
+         "--model", "gpt-oss-20b",
+         "--l1", "16MiB", "--l2", "0", *flags], stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while not _stats(url):
+            if child.poll() is not None or time.monotonic() > deadline:
+                err = child.stderr.read().decode(errors="replace") if child.stderr else ""
+                raise RuntimeError(f"tierstore serve did not come up: {err[-2000:]}")
+            time.sleep(0.1)
+        yield url
+    finally:
+        child.terminate()
+        try:
+            child.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+
+
+def _stats(url: str) -> dict[str, Any] | None:
+    try:
+        with urllib.request.urlopen(url + "/v1/stats", timeout=5) as response:
+            return dict(json.loads(response.read()))
+    except OSError:
+        return None
+
+
+def _behind_bytes(url: str) -> int:
+    """Bytes of committed values the service has yet to write to Redis."""
+    stats = _stats(url)
+    return 0 if stats is None else int(stats["service"]["kv"].get("redis_behind_bytes", 0))
 
 
 def _drop_page_cache(directory: str) -> str:
