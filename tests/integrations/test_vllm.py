@@ -449,3 +449,23 @@ def test_tenants_do_not_share_blocks(redis_server: RedisServer, tmp_path: Path,
         assert alpha_again.fetch(keys) == blocks
     finally:
         running.stop()
+
+
+# ------------------------------------------------------------------ bench
+def test_bench_runs_small(redis_bin: str) -> None:
+    """Every contender stores and loads (bytes checked inside) and the ratios are reported."""
+    import argparse
+
+    from tierstore.bench import vllm as bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    result = bench.run(parser.parse_args(["--presets", "nemotron-h-8b", "--blocks", "4",
+                                          "--job-blocks", "2", "--rounds", "1"]))
+    (preset,) = result["presets"]
+    assert result["available"] and preset["block_bytes"] == 256 << 10
+    assert [r["tier"] for r in preset["rows"]] == [
+        "fs", "tierstore shm", "tierstore http", "tierstore shm, no L3"]
+    assert all(r["store_blocks_s"] > 0 and r["load_blocks_s"] > 0 for r in preset["rows"])
+    assert preset["page_cache"] in ("drop_caches", "fadvise")
+    assert "tierstore shm / fs: store" in bench.render(result)
