@@ -124,8 +124,15 @@ class DiskTier:
         try:
             reuse = self._check_meta()
             for kind, n in self.nslots.items():
-                self.files[kind] = SlabFile(os.path.join(self.path, f"{kind}.slab"), n,
-                                            self.slot_size[kind], direct=direct)
+                where = os.path.join(self.path, f"{kind}.slab")
+                try:
+                    self.files[kind] = SlabFile(where, n, self.slot_size[kind], direct=direct)
+                except OSError as exc:  # no space for the size asked, a read-only mount
+                    with contextlib.suppress(OSError):
+                        os.unlink(where)  # give back what a failed fallocate reserved
+                    raise DiskTierError(f"cannot set up the disk tier file {where} "
+                                        f"({n * self.slot_size[kind]} bytes): {exc.strerror}"
+                                        ) from None
             self.direct = all(f.direct for f in self.files.values())
             self._held: dict[str, dict[int, SlotMeta]] = {k: {} for k in self.units}
             self._gen = 1

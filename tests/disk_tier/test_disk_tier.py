@@ -181,3 +181,10 @@ def test_a_writer_killed_mid_write_leaves_only_right_bytes_or_misses(tmp_path: P
         finally:
             tier.close()
     assert verified > 0 and seen >= verified
+
+
+def test_a_size_the_filesystem_cannot_hold_is_a_clear_error(tmp_path: Path) -> None:
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    with pytest.raises(DiskTierError, match="cannot set up the disk tier file"):
+        open_tier(tmp_path, size=free * 4 + (1 << 40))
+    open_tier(tmp_path).close()  # the lock was given back
