@@ -33,6 +33,7 @@ from disk_tier.slab import aligned
 from disk_tier.slot import slot_bytes
 from disk_tier.tier import SCAN_THREADS
 from remote_tier.mac import Mac
+from tierstore.bench import _disk_replay
 from tierstore.bench._util import ratio, table
 
 MiB = 1 << 20
@@ -49,6 +50,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=int, default=2, help="rounds; the best is kept")
     parser.add_argument("--scan-mib", type=int, default=512, help="tier size of the scan row")
     parser.add_argument("--buffered", action="store_true", help="force buffered I/O")
+    parser.add_argument("--replay", action="store_true",
+                        help="also replay the generated trace: L1 5%% + L2 5%% + disk 30%% "
+                             "against L1 5%% + L2 35%% of the working set")
+    parser.add_argument("--replay-model", default="qwen3-next-80b-a3b")
+    parser.add_argument("--replay-limit", type=int, default=None, help="first N requests")
 
 
 def _fs(path: str) -> str:
@@ -196,11 +202,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "read_vs_dd": ratio(best["dr"], best["r"]),
             })
         scan = _scan(where, args.scan_mib * MiB, args.threads)
+        replay = _disk_replay.compare(args.replay_model, 0.05, 0.05, 0.30, 0.35,
+                                      limit=args.replay_limit) if args.replay else None
     finally:
         if args.dir is None:
             shutil.rmtree(base, ignore_errors=True)
     return {"dir": base, "filesystem": _fs(base if os.path.exists(base) else "/tmp"),
-            "threads": args.threads, "batch_mib": args.batch_mib, "rows": rows, "scan": scan}
+            "threads": args.threads, "batch_mib": args.batch_mib, "rows": rows, "scan": scan,
+            "replay": replay}
 
 
 def render(result: dict[str, Any]) -> str:
@@ -214,4 +223,14 @@ def render(result: dict[str, Any]) -> str:
             f"{s['slots_per_s']:,.0f} slots/s ({s['vs_raw']:.2f}x of bare header reads, "
             f"{s['raw_header_reads_per_s']:,.0f}/s); a 100 GiB tier: "
             + ", ".join(f"{k} {v:.1f} s" for k, v in s["restart_100gib_s"].items()))
-    return head + body + scan
+    out = head + body + scan
+    if result.get("replay"):
+        r = result["replay"]
+        out += (f"\nreplay ({r['model']}, {r['requests']} requests, working set "
+                f"{r['working_set_real_gib']:.1f} GiB real):")
+        for name, c in r["configs"].items():
+            shares = ", ".join(f"{k} {v:.1%}" for k, v in c["hit_share"].items())
+            moved = ", ".join(f"{k} {v:,.0f}" for k, v in c["moved_real_mib"].items())
+            out += (f"\n  {name}: hit {c['hit_rate']:.1%} ({shares}); moved MiB (real): "
+                    f"{moved}; store time {c['store_wall_s']:.1f} s")
+    return out
