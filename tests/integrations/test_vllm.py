@@ -428,6 +428,16 @@ def test_a_store_while_the_service_is_down_is_a_failed_job_and_then_backpressure
         restarted.stop()
 
 
+def test_lookups_miss_while_the_service_is_down(redis_server: RedisServer,
+                                               engines: Callable[..., Engine]) -> None:
+    """An unreachable service is a miss (vLLM recomputes), never a request held in RETRY."""
+    running = start_service(redis_server)
+    engine = engines(running.url)
+    running.stop()
+    assert engine.lookup(keys_of("down", 5)) == [LookupResult.MISS] * 5
+    assert engine.tier.presence.num_probe_failures >= 1
+
+
 # ------------------------------------------------------------------ tenants
 def test_tenants_do_not_share_blocks(redis_server: RedisServer, tmp_path: Path,
                                      engines: Callable[..., Engine]) -> None:

@@ -30,7 +30,7 @@ def metric_definitions() -> dict[str, Any]:
         PROBED: counter(documentation="Keys the tierstore tier asked the service about "
                         "(batched existence requests)."),
         PROBE_FAILURES: counter(documentation="tierstore existence requests that failed "
-                                "(their keys stay unknown)."),
+                                "(their keys count as misses for absent_ttl_s)."),
         SHM: gauge(documentation="1 while the tierstore tier moves blocks through the "
                    "service's shared memory, 0 over HTTP."),
     }

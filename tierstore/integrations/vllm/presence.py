@@ -25,7 +25,8 @@ class PresenceCache:
     """Presence verdicts per key plus a queue of keys to probe (thread-safe).
 
     ``probe(keys)`` answers per key whether the service holds it, or None when it could not
-    ask (service down): those keys stay unknown and are probed again on their next lookup.
+    ask (service down): those keys count as absent for ``absent_ttl_s`` (a miss, never a
+    request held waiting for the service).
     """
 
     def __init__(self, probe: Probe, *, present_ttl_s: float, absent_ttl_s: float,
@@ -113,8 +114,10 @@ class PresenceCache:
                 self._probing.difference_update(keys)
                 self.num_probed += len(keys)
                 if found is None or len(found) != len(keys):
+                    # Unanswered is absent (for absent_ttl_s): RETRY until the service is back
+                    # would hold vLLM's requests; a miss lets it recompute now.
                     self.num_probe_failures += 1
-                    continue
+                    found = [False] * len(keys)
                 now = time.monotonic()
                 self._trim(len(keys))
                 for key, present in zip(keys, found, strict=True):
