@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -21,10 +21,29 @@ from tierstore.radix import ABSENT, CHECKPOINT, Node, RadixIndex, Tier
 from tierstore.settings import mac_secret
 
 if TYPE_CHECKING:
+    from gpu_arena import Arena
+    from host_tier import HostTier
     from tierstore.config import StoreConfig
-    from tierstore.movement import Mover
+    from tierstore.ledger import Ledger
+    from tierstore.remote import RemoteBridge
 
 log = logging.getLogger(__name__)
+
+
+class Mover(Protocol):
+    """What the disk bridge uses of its mover (:class:`tierstore.movement.Mover`), declared
+    here so that this module imports nothing of it."""
+
+    arena: Arena
+    host: HostTier | None
+    remote: RemoteBridge | None
+    index: RadixIndex
+    ledger: Ledger
+    page_kinds: tuple[str, ...]
+
+    def _to_l3(self, node: Node, tier: int) -> None: ...
+    def _release(self, node: Node, tier: int) -> dict[str, int]: ...
+    def _prune(self, node: Node, tier: int) -> None: ...
 
 
 class DiskBridge:
