@@ -133,14 +133,16 @@ def test_sampled_shadow_stays_close_and_bounded() -> None:
     capacity = 60_000
     ops = workload(1500, seed=3)
     exact_shadow = Shadow({"l1": capacity}, UNITS, PAGE, rate=1.0)
-    sampled = Shadow({"l1": capacity}, UNITS, PAGE, max_tracked=300)  # starts at 1/16
+    sampled = Shadow({"l1": capacity}, UNITS, PAGE, max_tracked=1000)  # pages from 1/16
     run(exact_shadow, {}, ops)
     run(sampled, {}, ops)
     info = sampled.curves()["sampling"]  # type: ignore[index]
     assert info["rate"] < 0.5  # type: ignore[operator]
-    assert info["tracked_pages"] <= 300 and info["tracked_ends"] <= 300  # type: ignore[operator]
+    assert info["end_rate"] < 1  # type: ignore[operator]
+    assert info["tracked_pages"] <= 1000 and info["tracked_ends"] <= 1000  # type: ignore[operator]
     exact = exact_shadow.curves()["tiers"]["l1"]["hit_rate"]  # type: ignore[index]
     est = sampled.curves()["tiers"]["l1"]["hit_rate"]  # type: ignore[index]
+    # Sampling follows Python's per-process hash seed: six seeds gave 0.9-2.6 points at most.
     assert est == pytest.approx(exact, abs=0.05)
 
 
