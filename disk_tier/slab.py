@@ -28,9 +28,10 @@ MAX_IOV = 512  # iovecs per call (Linux allows 1024)
 MAX_RUN_BYTES = 2 << 20  # one call moves at most this much, so large batches spread out
 
 
-def aligned(nbytes: int) -> np.ndarray:
-    """A zeroed uint8 buffer of ``nbytes`` starting on an ``ALIGN`` boundary."""
-    raw = np.zeros(nbytes + ALIGN, np.uint8)
+def aligned(nbytes: int, *, zero: bool = True) -> np.ndarray:
+    """A uint8 buffer of ``nbytes`` starting on an ``ALIGN`` boundary; zeroed unless ``zero``
+    is False (a read fills it whole; a write must not send stale memory in its padding)."""
+    raw = (np.zeros if zero else np.empty)(nbytes + ALIGN, np.uint8)
     start = (-raw.ctypes.data) % ALIGN
     return raw[start:start + nbytes]
 

@@ -239,7 +239,7 @@ class DiskTier:
         held = self._held[kind]
         keys = list(expect) if expect is not None else [
             held[s].key if s in held else b"" for s in slots]
-        buf = aligned(size * max(1, len(slots))).reshape(-1, size)
+        buf = aligned(size * max(1, len(slots)), zero=False).reshape(-1, size)
         ok = [False] * len(slots)
         if not len(slots):
             return buf[:0, HEADER_BYTES:HEADER_BYTES + unit], ok

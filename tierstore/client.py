@@ -238,7 +238,10 @@ def print_stats(url: str, token: str | None, *, as_json: bool = False) -> int:
     queried = stats["tokens_queried"] or 1
     print(f"requests {stats['requests']}, hit {stats['requests_hit']}; "
           f"token hit rate {stats['hit_rate']:.1%}")
-    for tier, label in (("l1", "GPU"), ("l2", "host"), ("l3", "Redis")):
+    tiers = [("l1", "GPU"), ("l2", "host"), ("l3", "Redis")]
+    if stats.get("disk"):  # the local disk tier sits between host memory and Redis
+        tiers.insert(2, ("disk", "disk"))
+    for tier, label in tiers:
         tokens = stats["hit_tokens"].get(tier, 0)
         print(f"  {label:<5} {tokens:>12,} tokens  {tokens / queried:6.1%}")
     missed = stats["tokens_queried"] - stats["tokens_hit"]
