@@ -188,3 +188,60 @@ def test_a_size_the_filesystem_cannot_hold_is_a_clear_error(tmp_path: Path) -> N
     with pytest.raises(DiskTierError, match="cannot set up the disk tier file"):
         open_tier(tmp_path, size=free * 4 + (1 << 40))
     open_tier(tmp_path).close()  # the lock was given back
+
+
+CUT = textwrap.dedent("""
+    import os, signal, sys, blake3, numpy as np
+    from disk_tier import DiskTier, SlotMeta
+    from disk_tier.slab import SlabFile
+    from remote_tier.mac import Mac
+    unit, first = 1 << 16, sys.argv[2] == "first"
+    tier = DiskTier(sys.argv[1], 4 << 20, {"kv": unit}, "layout-a", Mac(b"s" * 32))
+
+    def meta(i):
+        return SlotMeta(blake3.blake3(str(i).encode()).digest(), b"", 0)
+
+    def rows(ms):
+        return np.stack([np.frombuffer(blake3.blake3(m.key).digest(length=unit), np.uint8)
+                         for m in ms])
+
+    old = [meta(i) for i in range(4)]
+    tier.write("kv", tier.alloc("kv", 4), rows(old), old)
+    real = SlabFile.write
+
+    def cut(self, slot, views):  # half of the slot reaches the file, then the process dies
+        flat = b"".join(bytes(v) for v in views)
+        half = len(flat) // 2 // 4096 * 4096
+        where = slot * self.slot_size
+        fd = os.open(self.path, os.O_WRONLY)
+        if first:
+            os.pwrite(fd, flat[:half], where)
+        else:
+            os.pwrite(fd, flat[half:], where + half)
+        os.fsync(fd)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    SlabFile.write = cut
+    tier.free("kv", [0])
+    tier.write("kv", tier.alloc("kv", 1), rows([meta(9)]), [meta(9)])
+""")
+
+
+@pytest.mark.parametrize("half", ["first", "last"])
+def test_a_write_cut_in_half_by_sigkill_is_a_miss(tmp_path: Path, half: str) -> None:
+    """A new slot's first half (its header, part of its body) or only its second half
+    reached the file before the writer was killed: the slot is a miss, the others verify."""
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    done = subprocess.run([sys.executable, "-c", CUT, str(tmp_path), half], env=env,
+                          capture_output=True, check=False)
+    assert done.returncode == -signal.SIGKILL, done.stderr.decode()[-2000:]
+    tier = DiskTier(tmp_path, 4 << 20, {"kv": 1 << 16}, "layout-a", Mac(SECRET))
+    try:
+        found = {r.slot: r for r in tier.recovered}
+        assert set(found) == {0, 1, 2, 3}  # slot 0's header is the new one or the old one
+        rows, ok = tier.read("kv", [0, 1, 2, 3])
+        assert ok == [False, True, True, True]
+        for s in (1, 2, 3):
+            assert np.array_equal(rows[s], body(found[s].meta.key, 1 << 16))
+    finally:
+        tier.close()
