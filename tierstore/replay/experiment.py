@@ -234,7 +234,9 @@ def run(setup: Setup) -> dict[str, Any]:
                                              verify=setup.verify, serve_hint=hint))
             for key in setup.configs if not setup.url else "":
                 target = open_target(BASELINES[key], scaled.layout, caps, verify=setup.verify)
-                target.store.mrc = shadow_for(target.store, l3_bytes=caps.l3)
+                # Offline, the shadow samples pages at 1 until 16,384 are tracked (the serving
+                # default starts at 1/16 to stay cheap per request).
+                target.store.mrc = shadow_for(target.store, l3_bytes=caps.l3, rate=1.0)
                 targets.append(target)
             replay = Replay(targets, scaled.layout, decode_s_per_token=setup.decode_s_per_token,
                             seed=setup.seed)
