@@ -85,3 +85,14 @@ def unpack(raw: bytes | memoryview) -> Header | None:
     meta = SlotMeta(key[:klen], parent[:plen], depth)
     return Header(gen, KINDS[kind], meta, length, layout, fields,
                   bytes(raw[TAG_AT:TAG_AT + TAG_BYTES]))
+
+
+@dataclass(frozen=True)
+class Recovered:
+    """A slot a previous run left: its kind, slot number, what it holds and its
+    generation (its header verified; its tag is checked when it is read)."""
+
+    kind: str
+    slot: int
+    meta: SlotMeta
+    generation: int

@@ -32,12 +32,14 @@ from typing import Any
 
 import numpy as np
 
+import disk_tier.index as index
 from disk_tier.slab import SlabFile, aligned, runs
 from disk_tier.slot import (
     ALIGN,
     HEADER_BYTES,
     TAG_AT,
     TAG_BYTES,
+    Recovered,
     SlotMeta,
     layout_hash,
     pack,
@@ -59,17 +61,6 @@ SCAN_THREADS = 32  # header reads in flight at restart: latency-bound, so many a
 
 class DiskTierError(UsageError):
     """A disk tier that cannot be set up as asked (size, path, a directory in use)."""
-
-
-@dataclass(frozen=True)
-class Recovered:
-    """A slot a previous run left: its kind, slot number, what it holds and its
-    generation (its header verified; its tag is checked when it is read)."""
-
-    kind: str
-    slot: int
-    meta: SlotMeta
-    generation: int
 
 
 @dataclass
@@ -120,6 +111,7 @@ class DiskTier:
                                 ) from None
         self.stats = DiskStats()
         self.files: dict[str, SlabFile] = {}
+        self._ready = False  # set up whole: close() then checkpoints the index
         self._pool = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="tierstore-disk")
         try:
             reuse = self._check_meta()
@@ -135,18 +127,23 @@ class DiskTier:
                                         ) from None
             self.direct = all(f.direct for f in self.files.values())
             self._held: dict[str, dict[int, SlotMeta]] = {k: {} for k in self.units}
+            self._gen_of: dict[str, dict[int, int]] = {k: {} for k in self.units}
             self._gen = 1
-            self.recovered: list[Recovered] = self._scan() if reuse else []
+            saved = index.take(os.path.join(self.path, index.NAME), mac, self.layout)
+            self.recovered: list[Recovered] = []
+            if reuse:
+                self.recovered = self._restore(saved) if saved else self._scan()
             held = {k: set(h) for k, h in self._held.items()}
             self._free = {k: [s for s in range(n) if s not in held[k]]
                           for k, n in self.nslots.items()}  # ascending: already a heap
+            self._ready = True
         except BaseException:
             self.close()
             raise
-        log.info("disk tier %s: %.1f GiB, slots %s, %s I/O, %d slots recovered in %.3f s",
-                 self.path, self.capacity_bytes / (1 << 30), self.nslots,
+        log.info("disk tier %s: %.1f GiB, slots %s, %s I/O, %d slots recovered in %.3f s "
+                 "(from %s)", self.path, self.capacity_bytes / (1 << 30), self.nslots,
                  "O_DIRECT" if self.direct else "buffered", len(self.recovered),
-                 self.stats.scan_s)
+                 self.stats.scan_s, self.stats.extra.get("restart", "nothing"))
 
     # ------------------------------------------------------------------ space
     @property
@@ -172,9 +169,10 @@ class DiskTier:
     def free(self, kind: str, slots: Sequence[int]) -> None:
         """Hand slots back (their bytes stay until reused; a restart may find them again,
         which is safe: a slot's tag binds its bytes to its key)."""
-        held, free = self._held[kind], self._free[kind]
+        held, free, gens = self._held[kind], self._free[kind], self._gen_of[kind]
         for s in slots:
             held.pop(s, None)
+            gens.pop(s, None)
             heapq.heappush(free, s)
 
     def meta(self, kind: str, slot: int) -> SlotMeta | None:
@@ -204,12 +202,13 @@ class DiskTier:
                 ok[i:i + n] = [True] * n
             else:
                 self.stats.io_errors += 1
-        held = self._held[kind]
-        for s, m, good in zip(slots, metas, ok, strict=True):
+        held, gen_of = self._held[kind], self._gen_of[kind]
+        for s, m, g, good in zip(slots, metas, gens, ok, strict=True):
             if good:
-                held[s] = m
+                held[s], gen_of[s] = m, g
             else:
                 held.pop(s, None)
+                gen_of.pop(s, None)
         written = sum(ok)
         self.stats.writes += written
         self.stats.bytes_written += written * unit
@@ -321,12 +320,35 @@ class DiskTier:
                         newest[rec.meta.key] = rec
             for rec in newest.values():
                 self._held[kind][rec.slot] = rec.meta
+                self._gen_of[kind][rec.slot] = rec.generation
             found += newest.values()
             self.stats.scanned += slab.nslots
         scan.shutdown()
         self._gen = top + 1
+        self.stats.extra["restart"] = "scan"
         self.stats.scan_s = time.perf_counter() - start
         self.stats.recovered = len(found)
+        return found
+
+    def _restore(self, saved: tuple[list[Recovered], int]) -> list[Recovered]:
+        """What the checkpointed index of a clean close names (slots in range, this tier's
+        kinds, the newest copy of each key); each slot's tag is verified when it is read, as
+        after a scan."""
+        start = time.perf_counter()
+        rows, self._gen = saved
+        newest: dict[tuple[str, bytes], Recovered] = {}
+        for rec in rows:
+            if rec.kind in self._held and 0 <= rec.slot < self.nslots[rec.kind]:
+                old = newest.get((rec.kind, rec.meta.key))
+                if old is None or old.generation < rec.generation:
+                    newest[(rec.kind, rec.meta.key)] = rec
+        found = list(newest.values())
+        for rec in found:
+            self._held[rec.kind][rec.slot] = rec.meta
+            self._gen_of[rec.kind][rec.slot] = rec.generation
+        self.stats.scan_s = time.perf_counter() - start
+        self.stats.recovered = len(found)
+        self.stats.extra["restart"] = "index"
         return found
 
     def _scan_range(self, kind: str, lo: int, hi: int) -> list[Recovered]:
@@ -351,15 +373,24 @@ class DiskTier:
                 "reads": s.reads, "writes": s.writes, "bytes_read": s.bytes_read,
                 "bytes_written": s.bytes_written, "read_s": s.read_s, "write_s": s.write_s,
                 "misses": s.misses, "io_errors": s.io_errors, "scan_s": s.scan_s,
-                "scanned": s.scanned, "recovered": s.recovered}
+                "scanned": s.scanned, "recovered": s.recovered,
+                "restart": s.extra.get("restart", "nothing")}
 
     def close(self) -> None:
-        """Flush and close the files, stop the workers and free the directory."""
+        """Flush and close the files, checkpoint the index (a clean restart reads it instead of
+        scanning), stop the workers and free the directory."""
         self._pool.shutdown(wait=True)
         for slab in self.files.values():
             with contextlib.suppress(OSError):
                 os.fdatasync(slab.fd)
             slab.close()
+        if self._ready:
+            self._ready = False
+            try:
+                index.save(os.path.join(self.path, index.NAME), self.mac, self.layout,
+                           self._gen, self._held, self._gen_of)
+            except OSError as exc:  # the next start scans instead
+                log.warning("disk tier %s: index not saved: %s", self.path, exc)
         self.files = {}
         if self._lock >= 0:
             os.close(self._lock)  # drops the flock

@@ -245,3 +245,27 @@ def test_a_write_cut_in_half_by_sigkill_is_a_miss(tmp_path: Path, half: str) -> 
             assert np.array_equal(rows[s], body(found[s].meta.key, 1 << 16))
     finally:
         tier.close()
+
+
+def test_a_clean_close_checkpoints_the_index_and_a_bad_one_means_a_scan(tmp_path: Path
+                                                                         ) -> None:
+    with open_tier(tmp_path) as tier:
+        fill(tier, "kv", 0, 5)
+        fill(tier, "state", 10, 2)
+    index = tmp_path / "index.bin"
+    assert index.exists()
+    with open_tier(tmp_path) as tier:  # from the index: the same slots a scan finds
+        assert not index.exists()  # taken: a crash from here on scans
+        assert tier.snapshot()["restart"] == "index"
+        by_index = sorted((r.kind, r.slot, r.meta) for r in tier.recovered)
+        assert len(by_index) == 7 and all(tier.read(k, [s])[1] == [True]
+                                          for k, s, _ in by_index)
+    index.unlink()
+    with open_tier(tmp_path) as tier:
+        assert tier.snapshot()["restart"] == "scan"
+        assert sorted((r.kind, r.slot, r.meta) for r in tier.recovered) == by_index
+    raw = bytearray(index.read_bytes())
+    raw[40] ^= 1  # a forged row
+    index.write_bytes(bytes(raw))
+    with open_tier(tmp_path) as tier:
+        assert tier.snapshot()["restart"] == "scan" and len(tier.recovered) == 7
