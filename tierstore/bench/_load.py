@@ -15,8 +15,6 @@ import json
 import multiprocessing as mp
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -29,9 +27,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from remote_tier.embedded import free_port
 from tierstore.bench._util import ratio
 from tierstore.client import Client
+from tierstore.service.running import Served
+from tierstore.service.running import serve_process as _serve_child
 from tierstore.shm_client import SharedMemoryTransport, open_transport
 
 PAGE = 16
@@ -49,27 +48,6 @@ class LoadSpec:
     fetch_pages: int = 4
 
 
-@dataclass(frozen=True)
-class Served:
-    """A running ``tierstore serve``: its URL and process id."""
-
-    url: str
-    pid: int
-
-    def cpu_s(self) -> float:
-        """CPU seconds (user + system) the process has used so far (Linux ``/proc``)."""
-        with open(f"/proc/{self.pid}/stat", encoding="ascii") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    def store_busy_s(self) -> float | None:
-        """Seconds the service's store thread has spent in store calls (``/v1/stats``; None
-        from a service that does not report it)."""
-        with urllib.request.urlopen(self.url + "/v1/stats", timeout=30) as response:
-            busy = json.loads(response.read())["service"].get("store_busy_s")
-        return None if busy is None else float(busy)
-
-
 @contextmanager
 def serve_process(config: dict[str, Any], l1: str = "256MiB") -> Iterator[Served]:
     """``tierstore serve`` in a child process on a free loopback port (CPU, no L2/L3) with the
@@ -78,35 +56,17 @@ def serve_process(config: dict[str, Any], l1: str = "256MiB") -> Iterator[Served
         path = os.path.join(tmp, "config.json")
         with open(path, "w", encoding="utf-8") as f:
             json.dump(config, f)
-        port = free_port()
-        child = subprocess.Popen(
-            [sys.executable, "-m", "tierstore.cli", "serve", "--model-config", path,
-             "--page-size", str(PAGE), "--l1", l1, "--l2", "0", "--no-redis", "--device", "cpu",
-             "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 120
-            while not _healthy(url):
-                if child.poll() is not None or time.monotonic() > deadline:
-                    err = child.stderr.read().decode(errors="replace") if child.stderr else ""
-                    raise RuntimeError(f"tierstore serve did not come up: {err[-2000:]}")
-                time.sleep(0.1)
-            yield Served(url, child.pid)
-        finally:
-            child.terminate()
-            try:
-                child.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
+        with _serve_child(["--model-config", path, "--page-size", str(PAGE), "--l1", l1,
+                           "--l2", "0", "--no-redis", "--device", "cpu"]) as served:
+            yield served
 
 
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/healthz", timeout=1) as response:
-            return response.status == 200
-    except OSError:
-        return False
+def store_busy_s(served: Served) -> float | None:
+    """Seconds the service's store thread has spent in store calls (``/v1/stats``; None from a
+    service that does not report it)."""
+    with urllib.request.urlopen(served.url + "/v1/stats", timeout=30) as response:
+        busy = json.loads(response.read())["service"].get("store_busy_s")
+    return None if busy is None else float(busy)
 
 
 # ------------------------------------------------------------------ same-host reads
@@ -164,10 +124,10 @@ def run_mix(served: Served, transport: str, spec: LoadSpec, unit: int) -> dict[s
         p.start()
     try:
         barrier.wait(timeout=300)  # every client has inserted its prefix and attached
-        start, cpu, busy = time.perf_counter(), served.cpu_s(), served.store_busy_s()
+        start, cpu, busy = time.perf_counter(), served.cpu_s(), store_busy_s(served)
         got = [results.get(timeout=600) for _ in range(spec.processes)]
         elapsed, cpu = time.perf_counter() - start, served.cpu_s() - cpu
-        end_busy = served.store_busy_s()
+        end_busy = store_busy_s(served)
         busy_share = None if busy is None or end_busy is None else (end_busy - busy) / elapsed
     finally:
         for p in procs:

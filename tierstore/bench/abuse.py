@@ -22,12 +22,9 @@ import http.client
 import json
 import os
 import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -36,9 +33,9 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from remote_tier.embedded import free_port
 from tierstore.bench._util import table
 from tierstore.reference_model import CONFIG
+from tierstore.service.running import Served, serve_process
 
 PAGE = 16
 TARGET_P99_MS = 100.0
@@ -58,13 +55,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run the service from this checkout (PYTHONPATH, cwd)")
 
 
-@dataclass
-class Served:
-    url: str
-    port: int
-    pid: int
-
-
 @contextmanager
 def _serve(root: str | None, body_timeout_s: float) -> Iterator[Served]:
     """``tierstore serve`` in a child process (CPU, no L2/L3, 64 MiB storage host copy); stops
@@ -73,40 +63,14 @@ def _serve(root: str | None, body_timeout_s: float) -> Iterator[Served]:
         path = os.path.join(tmp, "config.json")
         with open(path, "w", encoding="utf-8") as f:
             json.dump(CONFIG, f)
-        port = free_port()
         env = dict(os.environ)
         if root is not None:
             env["PYTHONPATH"] = os.path.abspath(root)
-        child = subprocess.Popen(
-            [sys.executable, "-m", "tierstore.cli", "serve", "--model-config", path,
-             "--page-size", str(PAGE), "--l1", "16MiB", "--l2", "0", "--no-redis",
-             "--device", "cpu", "--kv-host", "64MiB", "--no-shm", "--port", str(port),
-             "--body-timeout", str(body_timeout_s)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=root)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 120
-            while not _healthy(url):
-                if child.poll() is not None or time.monotonic() > deadline:
-                    err = child.stderr.read().decode(errors="replace") if child.stderr else ""
-                    raise RuntimeError(f"tierstore serve did not come up: {err[-2000:]}")
-                time.sleep(0.1)
-            yield Served(url, port, child.pid)
-        finally:
-            child.terminate()
-            try:
-                child.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/healthz", timeout=1) as response:
-            return response.status == 200
-    except OSError:
-        return False
+        with serve_process(
+                ["--model-config", path, "--page-size", str(PAGE), "--l1", "16MiB", "--l2", "0",
+                 "--no-redis", "--device", "cpu", "--kv-host", "64MiB", "--no-shm",
+                 "--body-timeout", str(body_timeout_s)], env=env, cwd=root) as served:
+            yield served
 
 
 def _rss(pid: int) -> int:

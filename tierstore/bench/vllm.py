@@ -35,8 +35,6 @@ import json
 import mmap
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
@@ -49,7 +47,7 @@ import numpy as np
 from remote_tier.embedded import RedisServer
 from tierstore.bench._util import fmt_ratio, ratio, table
 from tierstore.layout import load_preset
-from tierstore.service.running import free_port
+from tierstore.service.running import serve_process
 
 _INSTALL = "pip install --no-deps vllm==0.33.0 && pip install 'tierstore[vllm]'"
 PRESETS = ("gpt-oss-20b", "nemotron-h-8b")
@@ -217,28 +215,9 @@ def _wait(tier: Any, count: int, tag: str) -> None:
 def _serve(flags: list[str]) -> Iterator[str]:
     """``tierstore serve`` in a child process on a free loopback port (as vLLM would use it:
     not sharing the benchmark's interpreter); yields its URL, stops it by its pid."""
-    port = free_port()
-    child = subprocess.Popen(
-        [sys.executable, "-m", "tierstore.cli", "serve", "--port", str(port), "--device", "cpu",
-         "--model", "gpt-oss-20b",
-         "--l1", "16MiB", "--l2", "0", *flags], stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while not _stats(url):
-            if child.poll() is not None or time.monotonic() > deadline:
-                err = child.stderr.read().decode(errors="replace") if child.stderr else ""
-                raise RuntimeError(f"tierstore serve did not come up: {err[-2000:]}")
-            time.sleep(0.1)
-        yield url
-    finally:
-        child.terminate()
-        try:
-            child.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
+    with serve_process(["--device", "cpu", "--model", "gpt-oss-20b", "--l1", "16MiB",
+                        "--l2", "0", *flags]) as served:
+        yield served.url
 
 
 def _stats(url: str) -> dict[str, Any] | None:

@@ -1,9 +1,18 @@
-"""Run a real tierstore service in-process on a free loopback port (demo, benchmarks, tests)."""
+"""Run a real tierstore service on a free loopback port: in-process (demo, benchmarks, tests) or
+as a ``tierstore serve`` child process (benchmarks that must not share its interpreter)."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 from aiohttp import web
 
@@ -14,7 +23,7 @@ from tierstore.service.config import ServiceConfig
 from tierstore.service.http import GuardedRunner
 from tierstore.store import TierStore
 
-__all__ = ["RunningService", "free_port"]
+__all__ = ["RunningService", "Served", "free_port", "serve_process"]
 
 
 class RunningService:
@@ -58,3 +67,53 @@ class RunningService:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@dataclass(frozen=True)
+class Served:
+    """A running ``tierstore serve`` child process: its URL, port and process id."""
+
+    url: str
+    port: int
+    pid: int
+
+    def cpu_s(self) -> float:
+        """CPU seconds (user + system) the process has used so far (Linux ``/proc``)."""
+        with open(f"/proc/{self.pid}/stat", encoding="ascii") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@contextmanager
+def serve_process(flags: list[str], *, env: dict[str, str] | None = None,
+                  cwd: str | None = None, start_timeout_s: float = 120) -> Iterator[Served]:
+    """``tierstore serve FLAGS --port P`` in a child process on a free loopback port; yields it
+    once ``/healthz`` answers, and stops it by its pid on exit (SIGTERM, then SIGKILL)."""
+    port = free_port()
+    child = subprocess.Popen(
+        [sys.executable, "-m", "tierstore.cli", "serve", *flags, "--port", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=cwd)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while not _healthy(url):
+            if child.poll() is not None or time.monotonic() > deadline:
+                err = child.stderr.read().decode(errors="replace") if child.stderr else ""
+                raise RuntimeError(f"tierstore serve did not come up: {err[-2000:]}")
+            time.sleep(0.1)
+        yield Served(url, port, child.pid)
+    finally:
+        child.terminate()
+        try:
+            child.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/healthz", timeout=1) as response:
+            return bool(response.status == 200)
+    except OSError:
+        return False
