@@ -76,7 +76,7 @@ class Size:
             if not value > 0:
                 raise ValueError(f"size {text!r}: a fraction must be > 0%")
             return cls(fraction=value / 100)
-        m = _SIZE.match(text)
+        m = _SIZE.fullmatch(text)
         unit = m.group(2).upper() if m else None
         if m is None or unit not in _UNITS:
             raise ValueError(f"size {text!r}: expected e.g. 5%, 40GiB, 512MB or a byte count")
