@@ -28,7 +28,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tierstore.store import TierStore
+    from tierstore.config import StoreConfig
+    from tierstore.layout import ModelLayout
 
 MULTIPLES = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0)
 _SPACE = 1 << 32  # sampling is on the low 32 bits of the key's hash
@@ -308,16 +309,16 @@ class Shadow:
                              "requests": self.requests, "tokens": self.tokens}}
 
 
-def shadow_for(store: TierStore, *, l3_bytes: int | None = None, **kwargs: object) -> Shadow:
-    """A shadow of ``store``'s tiers: L1 and L2 at their configured bytes, L3 at ``l3_bytes``
-    (None: no L3 curve, and an L3 counts as unbounded; the store cannot know Redis's memory
-    limit)."""
-    config, layout = store.config, store.layout
+def shadow_for(config: StoreConfig, layout: ModelLayout, *, swa_window_only: bool,
+               l3_bytes: int | None = None, **kwargs: object) -> Shadow:
+    """A shadow of a store's tiers (its ``config`` and ``layout``): L1 and L2 at their
+    configured bytes, L3 at ``l3_bytes`` (None: no L3 curve, and an L3 counts as unbounded; the
+    store cannot know Redis's memory limit)."""
     units = {k: e.nbytes for k, e in layout.envelopes().items()}
     capacities = {"l1": config.capacity_bytes, "l2": config.host_capacity_bytes or None,
                   "l3": l3_bytes if config.remote is not None else None}
     return Shadow(capacities, units, layout.page_size,
                   swa_window_pages=layout.swa_window_pages(),
-                  swa_window_only=store._swa_window_only,
+                  swa_window_only=swa_window_only,
                   unbounded_below=config.remote is not None and l3_bytes is None,
                   **kwargs)  # type: ignore[arg-type]

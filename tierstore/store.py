@@ -93,7 +93,8 @@ class TierStore:
             retention = "window" if layout.state is not None else "all"
         self._swa_window_only = retention == "window"
         self._tick = 0
-        self.mrc = shadow_for(self)  # what 0.5x-4x of each tier would hit
+        # What 0.5x-4x of each tier would hit.
+        self.mrc = shadow_for(config, layout, swa_window_only=self._swa_window_only)
 
     def close(self) -> None:
         """Stop the L3 connection thread and the disk tier's workers (the arenas need no

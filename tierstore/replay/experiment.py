@@ -236,7 +236,10 @@ def run(setup: Setup) -> dict[str, Any]:
                 target = open_target(BASELINES[key], scaled.layout, caps, verify=setup.verify)
                 # Offline, the shadow samples pages at 1 until 16,384 are tracked (the serving
                 # default starts at 1/16 to stay cheap per request).
-                target.store.mrc = shadow_for(target.store, l3_bytes=caps.l3, rate=1.0)
+                store = target.store
+                store.mrc = shadow_for(store.config, store.layout,
+                                       swa_window_only=store._swa_window_only,
+                                       l3_bytes=caps.l3, rate=1.0)
                 targets.append(target)
             replay = Replay(targets, scaled.layout, decode_s_per_token=setup.decode_s_per_token,
                             seed=setup.seed)
