@@ -29,6 +29,8 @@ import logging
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from itertools import compress, repeat
+from operator import not_
 from typing import TYPE_CHECKING
 
 from tierstore.ghost import DEFAULT_CAPACITY, GhostIndex
@@ -125,11 +127,15 @@ def explain(path: Sequence[Segment], keys: Sequence[bytes], full: int, page: int
         _add(lost, "evicted", (walked - found) * page)
         _add(evicted, "l3", (walked - found) * page)
     if walked < n_full:
+        # C-level maps over the missing pages (no Python step per page): the young
+        # generation first, the old one for what it does not hold.
         young, old = ghost._young, ghost._old
-        counts = [0, 0, 0, 0, 0]  # cold, dropped by l1, l2, l3, disk
-        for key in keys[walked:]:
-            h = hash(key)
-            counts[young.get(h) or old.get(h, 0)] += 1
+        hs = list(map(hash, keys[walked:]))
+        tiers = list(map(young.get, hs, repeat(0)))
+        counts = [tiers.count(t) for t in range(5)]  # cold, dropped by l1, l2, l3, disk
+        if counts[0] and old:
+            older = list(map(old.get, compress(hs, map(not_, tiers)), repeat(0)))
+            counts = [older.count(0)] + [c + older.count(t) for t, c in enumerate(counts) if t]
         if counts[0]:
             lost["cold"] = counts[0] * page
         for tier in (1, 2, 3, 4):
