@@ -21,6 +21,10 @@ class Pool:
     slot with a fence is *pending*: it still belongs to the band and is not reused.
     """
 
+    # Stale entries the hole heap may hold beyond 4x its holes before a sweep drops them
+    # (tests lower it to sweep often).
+    sweep_slack = 4096
+
     def __init__(self, spec: PoolSpec, origin: int, max_slots: int, lo: int) -> None:
         self.spec = spec
         self.name = spec.name
@@ -128,10 +132,9 @@ class Pool:
 
     def _add_holes(self, slots: torch.Tensor | np.ndarray) -> None:
         """Remember ``slots`` as possible holes (validated when they surface)."""
-        heap = self._hole_heap
-        if len(heap) > 4 * (self.num_holes + len(slots)) + 4096:
+        if len(self._hole_heap) > 4 * (self.num_holes + len(slots)) + self.sweep_slack:
             self._sweep_heap()  # mostly stale: drop the stale entries (amortised O(1))
-        push = heapq.heappush
+        heap, push = self._hole_heap, heapq.heappush
         for slot in (-slots if self.anchor == "high" else slots).tolist():
             push(heap, slot)
 
@@ -143,7 +146,9 @@ class Pool:
         self.visited += len(self._hole_heap)
         entries = entries[(entries >= self.lo) & (entries < self.hi)]
         entries = entries[~self._occupied_at(entries)]
-        self._hole_heap = (entries * sign).tolist()
+        # In place: a caller holding the list (a push right after the sweep) must not push
+        # into a list the pool no longer reads, or the pushed holes are lost.
+        self._hole_heap[:] = (entries * sign).tolist()
         heapq.heapify(self._hole_heap)
 
     def live_in(self, lo: int, hi: int) -> np.ndarray:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from gpu_arena import Arena, ArenaError, PoolSpec
+from gpu_arena.pool import Pool
 
 U = 256  # one "unit" of the design notes' capacity example
 
@@ -343,3 +344,30 @@ def test_float_band_fills_from_the_free_end_without_moves() -> None:
     assert st.gap_bytes < 48 * U and st.pools["swa"].band_start == 0
     assert st.moves == 0 and st.compactions == 0
     a.check_integrity()
+
+
+def test_a_free_that_sweeps_the_hole_heap_keeps_its_hole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Edge frees leave stale heap entries (the band trims past them); the free that finally
+    sweeps them must still remember its own slot as a hole. It once pushed into the list the
+    sweep had replaced: the hole was lost and a later alloc failed ``hole heap found k of n``
+    (seen in full replays, where the heap reaches the sweep threshold)."""
+    monkeypatch.setattr(Pool, "sweep_slack", 0)
+    swept = 0
+    for edge_cycles in range(24):  # one of these counts makes the interior free sweep
+        arena = Arena(64 * 16, [PoolSpec("kv", 16, "low")])
+        first = arena.alloc("kv", 3)  # slots 0, 1, 2
+        assert first is not None
+        b = int(first[1])
+        for _ in range(edge_cycles):  # a block at the edge, freed: a stale entry each time
+            edge = arena.alloc("kv", 1)
+            assert edge is not None
+            arena.free("kv", edge)
+        pool = arena._pools["kv"]
+        before = len(pool._hole_heap)
+        arena.free_owned("kv", [b])  # slot 1: an interior hole
+        swept += len(pool._hole_heap) <= before
+        arena.check_integrity()
+        again = arena.alloc("kv", 1)
+        assert again is not None and arena.resolve("kv", again).tolist() == [1]
+        arena.check_integrity()
+    assert swept, "no free swept the heap: the test no longer covers the sweep"

@@ -24,6 +24,8 @@ class ArenaMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.arena = Arena(CAPACITY, POOLS, device=self.DEVICE)
+        for pool in self.arena._pools.values():
+            pool.sweep_slack = 0  # sweep the hole heap often (real pools wait for 4096 stale)
         self.units = {p.name: p.unit_bytes for p in POOLS}
         self.data: dict[tuple[str, int], torch.Tensor] = {}  # (pool, id) -> expected bytes
         # Each pending fence: its pool, block id, slot at fencing time, and whether the block
@@ -72,13 +74,18 @@ class ArenaMachine(RuleBasedStateMachine):
                 self.data[(pool, vid)] = data[i]
 
     @precondition(lambda self: bool(self.data))
-    @rule(pick=st.data())
-    def free(self, pick: st.DataObject) -> None:
+    @rule(pick=st.data(), owned=st.booleans())
+    def free(self, pick: st.DataObject, owned: bool) -> None:
+        """Free through :meth:`Arena.free`, or :meth:`Arena.free_owned` as the store's eviction
+        does (live ids, each once: no re-validation)."""
         keys = sorted(self.data)
         chosen = pick.draw(st.lists(st.sampled_from(keys), min_size=1, max_size=5, unique=True))
         pool = chosen[0][0]
         ids = [vid for p, vid in chosen if p == pool]
-        self.arena.free(pool, ids)
+        if owned:
+            self.arena.free_owned(pool, ids)
+        else:
+            self.arena.free(pool, ids)
         for vid in ids:
             del self.data[(pool, vid)]
         for f in self.fences:
