@@ -30,17 +30,16 @@ import os
 import statistics
 import struct
 import time
-from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import xxhash
 
 from remote_tier.config import RemoteTierConfig
 from remote_tier.embedded import RedisServer
-from remote_tier.keys import envelope_key
 from remote_tier.mac import TAG_BYTES, Mac
 from remote_tier.store import RedisTier
 from tierstore.bench._util import best_of, ratio, table
+from tierstore.bench.redis import time_tier
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -159,55 +158,13 @@ def _hash_us(mac: Mac, size: int) -> float:
     return best_of(lambda: mac.sign(b"k" * 40, b"h" * 24, body), repeat=5) * 1e6
 
 
-async def _timed(fn: Callable[[], Awaitable[None]], nbytes: int, op: str) -> dict[str, float]:
-    """``op`` MB/s, and its loop-thread and whole-process CPU microseconds per MiB."""
-    mib = nbytes / (1 << 20)
-    start, loop0, cpu0 = time.perf_counter(), time.thread_time(), time.process_time()
-    await fn()
-    wall = time.perf_counter() - start
-    return {
-        op: nbytes / wall / 1e6,
-        f"{op}_loop_us": (time.thread_time() - loop0) / mib * 1e6,
-        f"{op}_cpu_us": (time.process_time() - cpu0) / mib * 1e6,
-    }
-
-
 async def _tier(url: str, name: str, size: int, count: int, args: argparse.Namespace
                 ) -> dict[str, float]:
     prefix = f"bm-{name}".replace("_", "-")
     config = RemoteTierConfig(url=url, key_prefix=prefix, connections=args.connections,
                               max_value_bytes=64 << 20, mac_key=_SECRET)
-    distinct = max(args.batch * args.callers, (args.keyspace_mb << 20) // size)
-    keys = [envelope_key(prefix, _FP, f"{i % distinct:016x}", "kv") for i in range(count)]
-    value = memoryview(os.urandom(size))
-    callers, batch = args.callers, args.batch
-    outs = [[bytearray(size) for _ in range(batch)] for _ in range(callers)]
-
-    def shares(c: int) -> range:
-        return range(c * batch, count, callers * batch)
-
     async with RedisTier(config, mac=_mac(name)) as tier:
-
-        async def put(c: int) -> None:
-            for lo in shares(c):
-                ok = await tier.put_many([(k, value) for k in keys[lo : lo + batch]])
-                assert all(ok), "bench put failed"
-
-        async def get(c: int, into: bool) -> None:
-            for lo in shares(c):
-                chunk = keys[lo : lo + batch]
-                got = await tier.get_many(chunk, outs[c][: len(chunk)] if into else None)
-                assert all(g is not None for g in got), "bench get missed"
-
-        async def all_callers(fn: Callable[[int], Awaitable[None]]) -> None:
-            await asyncio.gather(*(fn(c) for c in range(callers)))
-
-        for lo in range(0, distinct, batch):  # create the keys: the timed puts overwrite
-            await tier.put_many([(k, value) for k in keys[lo : min(lo + batch, distinct)]])
-        nbytes = size * count
-        figures = await _timed(lambda: all_callers(put), nbytes, "put")
-        figures |= await _timed(lambda: all_callers(lambda c: get(c, False)), nbytes, "get")
-        figures |= await _timed(lambda: all_callers(lambda c: get(c, True)), nbytes, "get_into")
+        figures = await time_tier(tier, prefix, size, count, args)
         assert tier.stats().num_mac_failures == 0, "a contender failed its own tags"
         return figures
 

@@ -193,18 +193,26 @@ def _redis_benchmark(port: int, size: int, count: int, connections: int) -> dict
     return {"rb_set": rps["SET"] * size / 1e6, "rb_get": rps["GET"] * size / 1e6}
 
 
-async def _timed(fn: Callable[[], Awaitable[None]], nbytes: int) -> float:
-    start = time.perf_counter()
+async def timed(fn: Callable[[], Awaitable[None]], nbytes: int, op: str) -> dict[str, float]:
+    """``op`` MB/s, and its loop-thread and whole-process CPU microseconds per MiB."""
+    mib = nbytes / (1 << 20)
+    start, loop0, cpu0 = time.perf_counter(), time.thread_time(), time.process_time()
     await fn()
-    return nbytes / (time.perf_counter() - start) / 1e6
+    wall = time.perf_counter() - start
+    return {
+        op: nbytes / wall / 1e6,
+        f"{op}_loop_us": (time.thread_time() - loop0) / mib * 1e6,
+        f"{op}_cpu_us": (time.process_time() - cpu0) / mib * 1e6,
+    }
 
 
-async def _tier(url: str, size: int, count: int, args: argparse.Namespace) -> dict[str, float]:
-    config = RemoteTierConfig(
-        url=url, key_prefix=_PREFIX, connections=args.connections, max_value_bytes=64 << 20
-    )
+async def time_tier(tier: RedisTier, prefix: str, size: int, count: int,
+                    args: argparse.Namespace) -> dict[str, float]:
+    """Put, get and get-into of ``count`` values of ``size`` bytes through ``tier``, by
+    ``args.callers`` concurrent callers in batches of ``args.batch`` over a keyspace of
+    ``args.keyspace_mb``: :func:`timed`'s figures for ``put``, ``get`` and ``get_into``."""
     distinct = max(args.batch * args.callers, (args.keyspace_mb << 20) // size)
-    keys = [envelope_key(_PREFIX, _FP, f"{i % distinct:016x}", "kv") for i in range(count)]
+    keys = [envelope_key(prefix, _FP, f"{i % distinct:016x}", "kv") for i in range(count)]
     value = memoryview(os.urandom(size))
     callers, batch = args.callers, args.batch
     outs = [[bytearray(size) for _ in range(batch)] for _ in range(callers)]
@@ -212,29 +220,36 @@ async def _tier(url: str, size: int, count: int, args: argparse.Namespace) -> di
     def shares(c: int) -> range:
         return range(c * batch, count, callers * batch)
 
+    async def put(c: int) -> None:
+        for lo in shares(c):
+            ok = await tier.put_many([(k, value) for k in keys[lo : lo + batch]])
+            assert all(ok), "bench put failed"
+
+    async def get(c: int, into: bool) -> None:
+        for lo in shares(c):
+            chunk = keys[lo : lo + batch]
+            got = await tier.get_many(chunk, outs[c][: len(chunk)] if into else None)
+            assert all(g is not None for g in got), "bench get missed"
+
+    async def all_callers(fn: Callable[[int], Awaitable[None]]) -> None:
+        await asyncio.gather(*(fn(c) for c in range(callers)))
+
+    for lo in range(0, distinct, batch):  # create the keys: the timed puts overwrite
+        await tier.put_many([(k, value) for k in keys[lo : min(lo + batch, distinct)]])
+    nbytes = size * count
+    figures = await timed(lambda: all_callers(put), nbytes, "put")
+    figures |= await timed(lambda: all_callers(lambda c: get(c, False)), nbytes, "get")
+    figures |= await timed(lambda: all_callers(lambda c: get(c, True)), nbytes, "get_into")
+    return figures
+
+
+async def _tier(url: str, size: int, count: int, args: argparse.Namespace) -> dict[str, float]:
+    config = RemoteTierConfig(
+        url=url, key_prefix=_PREFIX, connections=args.connections, max_value_bytes=64 << 20
+    )
     async with RedisTier(config) as tier:
-
-        async def put(c: int) -> None:
-            for lo in shares(c):
-                ok = await tier.put_many([(k, value) for k in keys[lo : lo + batch]])
-                assert all(ok), "bench put failed"
-
-        async def get(c: int, into: bool) -> None:
-            for lo in shares(c):
-                chunk = keys[lo : lo + batch]
-                got = await tier.get_many(chunk, outs[c][: len(chunk)] if into else None)
-                assert all(g is not None for g in got), "bench get missed"
-
-        async def all_callers(fn: Callable[[int], Awaitable[None]]) -> None:
-            await asyncio.gather(*(fn(c) for c in range(callers)))
-
-        for lo in range(0, distinct, batch):  # create the keys: the timed puts overwrite
-            await tier.put_many([(k, value) for k in keys[lo : min(lo + batch, distinct)]])
-        nbytes = size * count
-        figures = {"tier_put": await _timed(lambda: all_callers(put), nbytes)}
-        figures["tier_get"] = await _timed(lambda: all_callers(lambda c: get(c, False)), nbytes)
-        figures["tier_get_into"] = await _timed(lambda: all_callers(lambda c: get(c, True)), nbytes)
-        return figures
+        figures = await time_tier(tier, _PREFIX, size, count, args)
+    return {f"tier_{op}": figures[op] for op in ("put", "get", "get_into")}
 
 
 async def _plain(url: str, size: int, count: int, keyspace_mb: int) -> dict[str, float]:
@@ -255,6 +270,8 @@ async def _plain(url: str, size: int, count: int, keyspace_mb: int) -> dict[str,
         for key in keys[:distinct]:
             await client.set(key, value)
         nbytes = size * count
-        return {"plain_set": await _timed(put, nbytes), "plain_get": await _timed(get, nbytes)}
+        sets = await timed(put, nbytes, "plain_set")
+        gets = await timed(get, nbytes, "plain_get")
+        return {"plain_set": sets["plain_set"], "plain_get": gets["plain_get"]}
     finally:
         await client.aclose()
