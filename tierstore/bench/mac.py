@@ -40,6 +40,7 @@ from remote_tier.mac import TAG_BYTES, Mac
 from remote_tier.store import RedisTier
 from tierstore.bench._util import best_of, ratio, table
 from tierstore.bench.redis import time_tier
+from tierstore.settings import parse_size
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -105,14 +106,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=4, help="values per put_many/get_many")
 
 
-def _parse_size(text: str) -> int:
-    text = text.strip().upper()
-    scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
-    return int(text.rstrip("KM")) * scale
-
-
 def run(args: argparse.Namespace) -> dict:
-    sizes = [_parse_size(s) for s in args.sizes.split(",")]
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
     rows: list[dict[str, object]] = []
     started = time.perf_counter()
     with RedisServer() as server:

@@ -39,6 +39,7 @@ from remote_tier.keys import envelope_key
 from remote_tier.store import RedisTier
 from tierstore.bench._util import ratio, table
 from tierstore.errors import UnavailableError
+from tierstore.settings import parse_size
 
 _PREFIX = "bench"
 _FP = "benchfp"
@@ -68,14 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _parse_size(text: str) -> int:
-    text = text.strip().upper()
-    scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
-    return int(text.rstrip("KM")) * scale
-
-
 def run(args: argparse.Namespace) -> dict:
-    sizes = [_parse_size(s) for s in args.sizes.split(",")]
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
     lmcache = _lmcache_status(args.lmcache_python)
     if lmcache["status"] == "on" and any(size % _LMCACHE_UNIT for size in sizes):
         raise ValueError(f"LMCache needs sizes in multiples of {_LMCACHE_UNIT} B, got {sizes}")
