@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 import kernels
+from gpu_arena import compaction
 from gpu_arena.fence import Fence, FenceMode
 from gpu_arena.ids import IdsLike, checked_ids
 from gpu_arena.planner import Plan, ceil_div, plan
@@ -18,7 +19,6 @@ from gpu_arena.spec import ALIGN, ANCHORS, ArenaError, IntegrityError, PoolSpec
 from gpu_arena.stats import ArenaStats, PoolStats
 
 log = logging.getLogger(__name__)
-
 
 
 class Arena:
@@ -107,26 +107,38 @@ class Arena:
     def alloc(self, pool: str, n: int) -> torch.Tensor | None:
         """Allocate ``n`` blocks; return their virtual ids, or ``None`` when even a full
         compaction cannot make room (nothing changes then). May move other blocks."""
+        ids = self.alloc_ids(pool, n)
+        return None if ids is None else torch.tensor(ids, dtype=torch.long)
+
+    def alloc_ids(self, pool: str, n: int) -> list[int] | None:
+        """:meth:`alloc` with the ids as a list (the store's path: no tensor to build and
+        convert back). Same checks, same effect, same ``None``."""
         p = self._pool(pool)
         n = _count(pool, n)
-        self._retire()
-        if n == 0:
-            return torch.empty(0, dtype=torch.long)
+        if self._fences:
+            self._retire()
+        if n <= p.num_holes:  # the steady state: reuse what eviction freed, nothing moves
+            return p.bind(p.take_holes(n))
         slots = self._direct(p, n)
         if slots is None:
             plan = self._plan({p.name: n})
             if plan is None:
                 return None
-            self._execute(plan)
+            compaction.execute(self._buf, self._low, self._float, self._high, plan)
+            self.compactions += 1
             slots = self._direct(p, n)
             assert slots is not None, f"pool {pool}: plan said {n} fit after compaction"
-        return p.take_ids(slots)
+        return p.bind(slots)
 
     def can_alloc(self, request: Mapping[str, int]) -> bool:
         """Whether allocating all of ``request`` ({pool: n}) would succeed, counting the gap and
         every byte compaction can reclaim in any pool. Changes nothing."""
-        counts = {self._pool(name).name: _count(name, n) for name, n in request.items()}
-        self._retire()
+        pools = {name: self._pool(name) for name in request}
+        counts = {name: _count(name, n) for name, n in request.items()}
+        if self._fences:
+            self._retire()
+        if all(n <= pools[name].num_holes for name, n in counts.items()):
+            return True  # holes alone hold it: no plan needed (a plan would find the same)
         return self._plan(counts) is not None
 
     def max_alloc(self, pool: str) -> int:
@@ -147,20 +159,26 @@ class Arena:
         """Free live ids (capacity returns at once; fenced slots are reused only after their
         fences retire). A foreign or already-free id raises ArenaError and frees nothing."""
         p = self._pool(pool)
-        self._release(p, self._ids(p, ids).numpy())
+        self._release(p, self._ids(p, ids).tolist())
 
-    def free_owned(self, pool: str, ids: Sequence[int] | np.ndarray) -> None:
+    def free_owned(self, pool: str, ids: Sequence[int] | np.ndarray | torch.Tensor) -> None:
         """:meth:`free` for a caller that tracks its ids itself (the store's ledger does): ids
-        it got from :meth:`alloc` and has not freed. Not re-validated here (a few µs per call
-        on the store's hot path); a foreign or repeated id corrupts the tables, which
-        :meth:`check_integrity` reports."""
-        self._release(self._pool(pool), np.asarray(ids, dtype=np.int64))
+        it got from :meth:`alloc` / :meth:`alloc_ids` and has not freed, best as a list. Not
+        re-validated here (a few µs per call on the store's hot path); a foreign or repeated
+        id corrupts the tables, which :meth:`check_integrity` reports."""
+        p = self._pool(pool)
+        if isinstance(ids, list):
+            self._release(p, ids)
+        elif isinstance(ids, np.ndarray | torch.Tensor):
+            self._release(p, ids.tolist())
+        else:
+            self._release(p, [int(i) for i in ids])
 
-    def _release(self, p: Pool, ids: np.ndarray) -> None:
-        if ids.size == 0:
+    def _release(self, p: Pool, ids: list[int]) -> None:
+        if not ids:
             return
-        slots = p.release_ids(ids)
-        if int(slots.max()) == p.hi - 1 or int(slots.min()) == p.lo:
+        slots = p.release(ids)
+        if max(slots) == p.hi - 1 or min(slots) == p.lo:
             p.trim()
 
     def resolve(
@@ -302,7 +320,7 @@ class Arena:
         for p in self._pools.values():
             if budget - moved <= 0:
                 break
-            moved += self._pack(p, budget - moved)
+            moved += compaction.pack(self._buf, p, budget - moved)
         if moved:
             self.compactions += 1
         return moved
@@ -379,7 +397,7 @@ class Arena:
                     lower = max(lower, q.end)
         return lower, upper
 
-    def _direct(self, p: Pool, n: int) -> np.ndarray | None:
+    def _direct(self, p: Pool, n: int) -> list[int] | None:
         """Slots for ``n`` new blocks from holes and the adjacent gap, growing the band; ``None``
         (nothing changed) when they do not fit without moving blocks."""
         n_holes = min(n, p.num_holes)
@@ -400,10 +418,10 @@ class Arena:
         holes = p.take_holes(n_holes)
         n_up = min(up, need)
         n_down = need - n_up
-        parts = [holes, np.arange(p.lo - n_down, p.lo), np.arange(p.hi, p.hi + n_up)]
+        slots = holes + list(range(p.lo - n_down, p.lo)) + list(range(p.hi, p.hi + n_up))
         p.lo -= n_down
         p.hi += n_up
-        return np.concatenate(parts).astype(np.int64, copy=False)
+        return slots
 
     def _float_start(self, first_fit: int, last_fit: int, need: int) -> int:
         """Where an empty floating band starts in the free slots ``[first_fit, last_fit)``:
@@ -417,86 +435,6 @@ class Arena:
 
     def _plan(self, request: Mapping[str, int]) -> Plan | None:
         return plan(self._low, self._float, self._high, self.capacity_bytes, request)
-
-    def _execute(self, plan: Plan) -> None:
-        """Compact and slide bands to the plan's targets (low, then high, then float)."""
-        if self._low is not None:
-            self._relocate(self._low, 0, min(plan.low_slots, self._low.hi))
-        if self._high is not None:
-            h = self._high
-            self._relocate(h, max(h.max_slots - plan.high_slots, h.lo), h.max_slots)
-        if self._float is not None and plan.float_band is not None:
-            self._relocate(self._float, *plan.float_band)
-        self.compactions += 1
-
-    def _relocate(self, p: Pool, lo: int, hi: int) -> None:
-        """Move every live block outside slots ``[lo, hi)`` into free slots inside it, and make
-        ``[lo, hi)`` (trimmed) the band. Visits only the slots that leave the band, the gap
-        slots that join it and the holes it fills, so the cost follows the blocks moved (a
-        slide by ``d`` slots moves at most ``d`` blocks), not the band's size."""
-        old_lo, old_hi = p.lo, p.hi
-        leaving = [p.live_in(old_lo, min(lo, old_hi)), p.live_in(max(hi, old_lo), old_hi)]
-        outside = np.concatenate(leaving)
-        k = outside.size
-        if k:
-            dst = self._destinations(p, lo, hi, old_lo, old_hi, k)
-            self._move(p, torch.from_numpy(outside), torch.from_numpy(dst))
-        p.lo, p.hi = lo, hi  # every occupied slot is inside now; trim to the occupied hull
-        p.trim()
-        # Gap slots that joined the band and stayed free are holes now.
-        p.add_free_slots(p.lo, min(old_lo, p.hi))
-        p.add_free_slots(max(old_hi, p.lo), p.hi)
-
-    def _destinations(self, p: Pool, lo: int, hi: int, old_lo: int, old_hi: int, k: int
-                      ) -> np.ndarray:
-        """``k`` free slots of ``[lo, hi)`` nearest the anchor: gap slots joining the band
-        (free by the band invariant) and holes of the old band from the hole heap."""
-        below = np.arange(lo, min(old_lo, hi), dtype=np.int64)
-        above = np.arange(max(old_hi, lo), hi, dtype=np.int64)
-        if p.anchor == "high":
-            near, far = above[::-1], below[::-1]
-        else:
-            near, far = below, above
-        parts = [near[:k]]
-        left = k - parts[0].size
-        if left:
-            holes = p.holes_within(max(lo, old_lo), min(hi, old_hi), left)
-            parts.append(np.asarray(holes, dtype=np.int64))
-            left -= len(holes)
-        if left:
-            parts.append(far[:left])
-            left -= parts[-1].size
-        assert left == 0, f"pool {p.name}: {k} blocks to move, {k - left} free slots"
-        return np.concatenate(parts)
-
-    def _pack(self, p: Pool, budget: int) -> int:
-        """Move up to ``budget`` movable blocks from the inner edge into holes nearer the anchor."""
-        holes = p.holes()
-        if holes.numel() == 0:
-            return 0
-        band = torch.arange(p.lo, p.hi)
-        movable = band[(p.owner[band] >= 0) & (p.writers[band] == 0)]
-        if p.anchor != "high":
-            movable = movable.flip(0)  # farthest from the anchor first
-        k = min(holes.numel(), movable.numel(), budget)
-        holes, movable = holes[:k], movable[:k]
-        worth = holes < movable if p.anchor != "high" else holes > movable
-        k = int(worth.sum())  # holes run toward the edge, blocks away from it: a prefix holds
-        if k:
-            self._move(p, movable[:k], holes[:k])
-        p.trim()
-        return k
-
-    def _move(self, p: Pool, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy blocks ``src`` -> ``dst`` (one batched copy) and relink their ids."""
-        device = self.device
-        if device.type != "meta":  # an accounting-only arena has no bytes to move
-            # Live blocks move into free slots of the same pool: no source overlaps a
-            # destination, so the copy needs no staging.
-            kernels.strided_copy(self._buf, self._buf, src.to(device), dst.to(device),
-                                 nbytes=p.unit, src_stride=p.unit, dst_stride=p.unit,
-                                 src_offset=p.origin, dst_offset=p.origin, overlap=False)
-        p.relink(src, dst)
 
     def _retire(self) -> None:
         """Drop fences whose work has finished; their slots become movable / reusable."""

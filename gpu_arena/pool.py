@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -10,6 +11,10 @@ import torch
 from gpu_arena.spec import IntegrityError, PoolSpec
 
 _LONG = torch.long
+# Ids per call up to which Python loops over memoryviews of the tables beat numpy: a numpy
+# call costs ~1 µs before it does anything, a memoryview item ~50 ns; a request's 24 blocks
+# are far below it, a bulk fill of thousands far above.
+SMALL = 64
 
 
 class Pool:
@@ -50,6 +55,13 @@ class Pool:
         self._readers_np = self.readers.numpy()
         self._writers_np = self.writers.numpy()
         self._free_np = self.free_ids.numpy()
+        # The same tables as memoryviews: item reads and writes as plain Python ints, for the
+        # few-id hot paths (alloc and free of one request's blocks).
+        self._loc_mv = self.loc_np.data
+        self._owner_mv = self.owner_np.data
+        self._readers_mv = self._readers_np.data
+        self._writers_mv = self._writers_np.data
+        self._free_mv = self._free_np.data
         self.num_free_ids = max_slots
         self.num_live = 0
         self.num_pending = 0
@@ -99,44 +111,70 @@ class Pool:
         idx = torch.from_numpy(np.flatnonzero(~self._occupied_np(self.lo, self.hi)) + self.lo)
         return idx.flip(0) if self.anchor == "high" else idx
 
-    def take_holes(self, n: int) -> np.ndarray:
+    def take_holes(self, n: int) -> list[int]:
         """The ``n`` (at most :attr:`num_holes`) reusable slots nearest the anchor, in that
         order — the first ``n`` of :meth:`holes` — found from the hole heap without scanning
-        the band, and taken off it: the caller binds ids to them (:meth:`take_ids`)."""
+        the band, and taken off it: the caller binds ids to them (:meth:`bind`)."""
         assert n <= self.num_holes, f"pool {self.name}: {n} holes wanted, {self.num_holes} exist"
         if n == 0:
-            return np.empty(0, dtype=np.int64)
+            return []
         found = self.holes_within(self.lo, self.hi, n)
         assert len(found) == n, f"pool {self.name}: hole heap found {len(found)} of {n} holes"
-        return np.array(found, dtype=np.int64)
+        return found
 
     def holes_within(self, lo: int, hi: int, n: int) -> list[int]:
         """Up to ``n`` reusable slots of ``[lo, hi)`` (inside the band) nearest the anchor,
         taken off the hole heap. Entries met on the way that are stale or outside ``[lo, hi)``
         are dropped: the caller re-cuts the band to ``[lo, hi)`` or it already is that."""
-        heap, sign = self._hole_heap, -1 if self.anchor == "high" else 1
-        owner, pop, fenced = self.owner_np, heapq.heappop, self.fenced_refs
+        heap = self._hole_heap
+        if len(heap) <= 2 * n + 32:
+            # Most of the heap is wanted (a request reusing what an eviction just freed): one
+            # sort, then a prefix. A sorted list is a heap, and so is what follows the prefix.
+            heap.sort()
+            found, used = self._valid_holes(heap, lo, hi, n)
+            del heap[:used]
+        else:
+            found, used = self._valid_holes(_popping(heap), lo, hi, n)
+        self.visited += used
+        return found
+
+    def _valid_holes(self, entries: Iterable[int], lo: int, hi: int, n: int
+                     ) -> tuple[list[int], int]:
+        """The first ``n`` entries (in heap order) that are holes of ``[lo, hi)`` now, and how
+        many entries were read to find them. Equal entries come one after another."""
+        sign = -1 if self.anchor == "high" else 1
+        owner, readers, writers = self._owner_mv, self._readers_mv, self._writers_mv
+        fenced = self.fenced_refs
         found: list[int] = []
-        last, popped = None, 0
-        while len(found) < n and heap:
-            slot = sign * pop(heap)
-            popped += 1
-            if slot == last:  # a repeated entry: equal entries leave the heap one after another
+        last, used = None, 0
+        if n <= 0:
+            return found, 0
+        for entry in entries:
+            used += 1
+            slot = sign * entry
+            if slot == last:  # a repeated entry
                 continue
             last = slot
             if lo <= slot < hi and owner[slot] < 0 and not (
-                    fenced and (self._readers_np[slot] > 0 or self._writers_np[slot] > 0)):
+                    fenced and (readers[slot] > 0 or writers[slot] > 0)):
                 found.append(slot)
-        self.visited += popped
-        return found
+                if len(found) == n:
+                    break
+        return found, used
 
-    def _add_holes(self, slots: torch.Tensor | np.ndarray) -> None:
+    def _add_holes(self, slots: Sequence[int]) -> None:
         """Remember ``slots`` as possible holes (validated when they surface)."""
-        if len(self._hole_heap) > 4 * (self.num_holes + len(slots)) + self.sweep_slack:
+        heap = self._hole_heap
+        if len(heap) > 4 * (self.num_holes + len(slots)) + self.sweep_slack:
             self._sweep_heap()  # mostly stale: drop the stale entries (amortised O(1))
-        heap, push = self._hole_heap, heapq.heappush
-        for slot in (-slots if self.anchor == "high" else slots).tolist():
-            push(heap, slot)
+        entries = [-s for s in slots] if self.anchor == "high" else slots
+        if len(heap) < len(entries):  # a heap smaller than the batch: rebuild it, O(h + k)
+            heap.extend(entries)
+            heapq.heapify(heap)
+        else:
+            push = heapq.heappush
+            for entry in entries:
+                push(heap, entry)
 
     def _sweep_heap(self) -> None:
         """Keep only the heap's entries that are holes now: a pass over the heap (which holds
@@ -161,7 +199,7 @@ class Pool:
     def add_free_slots(self, lo: int, hi: int) -> None:
         """Remember the free slots of ``[lo, hi)`` (just joined the band) as holes."""
         if hi > lo:
-            self._add_holes(np.flatnonzero(~self._occupied_np(lo, hi)) + lo)
+            self._add_holes((np.flatnonzero(~self._occupied_np(lo, hi)) + lo).tolist())
 
     def pins(self) -> tuple[int, int] | None:
         """Lowest and highest slot holding a fence (such slots cannot move), or None."""
@@ -187,37 +225,68 @@ class Pool:
         return max(occupied, pins[1] - pins[0] + 1)
 
     # --------------------------------------------------------------- updates
-    def take_ids(self, slots: torch.Tensor | np.ndarray) -> torch.Tensor:
+    def bind(self, slots: list[int]) -> list[int]:
         """Bind fresh virtual ids to ``slots`` (free, reusable) and return the ids."""
-        slots_np = _np(slots)
-        n = slots_np.size
+        n = len(slots)
         assert n <= self.num_free_ids, f"pool {self.name}: {n} ids wanted, {self.num_free_ids} free"
         top = self.num_free_ids
-        ids = self._free_np[top - n : top][::-1].copy()
+        ids: list[int]
+        if n > SMALL:
+            ids_np = self._free_np[top - n : top][::-1].copy()
+            slots_np = np.asarray(slots, dtype=np.int64)
+            self.loc_np[ids_np] = slots_np
+            self.owner_np[slots_np] = ids_np
+            ids = ids_np.tolist()
+        else:
+            ids = self._free_mv[top - n : top].tolist()
+            ids.reverse()
+            loc, owner = self._loc_mv, self._owner_mv
+            for i, slot in zip(ids, slots, strict=True):
+                loc[i] = slot
+                owner[slot] = i
         self.num_free_ids -= n
-        self.loc_np[ids] = slots_np
-        self.owner_np[slots_np] = ids
         self.num_live += n
         self.allocated += n
-        out = torch.from_numpy(ids)
-        self._log(out)
-        return out
+        if self.changed is not None:
+            self._log(ids)
+        return ids
 
-    def release_ids(self, ids: torch.Tensor | np.ndarray) -> np.ndarray:
+    def release(self, ids: list[int]) -> list[int]:
         """Unbind live ``ids``; return their slots (now free, pending where fenced)."""
-        ids_np = _np(ids)
-        slots_np = self.loc_np[ids_np]
-        self.owner_np[slots_np] = -1
-        self.loc_np[ids_np] = -1
-        n = ids_np.size
-        self._free_np[self.num_free_ids : self.num_free_ids + n] = ids_np[::-1]
+        n = len(ids)
+        top = self.num_free_ids
+        slots: list[int]
+        if n > SMALL:
+            ids_np = np.asarray(ids, dtype=np.int64)
+            slots_np = self.loc_np[ids_np]
+            self.owner_np[slots_np] = -1
+            self.loc_np[ids_np] = -1
+            self._free_np[top : top + n] = ids_np[::-1]
+            slots = slots_np.tolist()
+        else:
+            loc, owner, free = self._loc_mv, self._owner_mv, self._free_mv
+            slots = [loc[i] for i in ids]
+            for k, (i, slot) in enumerate(zip(ids, slots, strict=True)):
+                loc[i] = -1
+                owner[slot] = -1
+                free[top + n - 1 - k] = i  # pushed in reverse: the next pop hands them out in order
         self.num_free_ids += n
         self.num_live -= n
-        self._log(ids_np)
+        if self.changed is not None:
+            self._log(ids)
         if self.fenced_refs:
-            self.num_pending += int(self._fenced_at(torch.from_numpy(slots_np)).sum())
-        self._add_holes(slots_np)
-        return slots_np
+            readers, writers = self._readers_mv, self._writers_mv
+            self.num_pending += sum(1 for s in slots if readers[s] > 0 or writers[s] > 0)
+        self._add_holes(slots)
+        return slots
+
+    def take_ids(self, slots: torch.Tensor | np.ndarray) -> torch.Tensor:
+        """:meth:`bind` for a tensor or array of slots; the ids as a tensor."""
+        return torch.tensor(self.bind(_np(slots).tolist()), dtype=_LONG)
+
+    def release_ids(self, ids: torch.Tensor | np.ndarray) -> np.ndarray:
+        """:meth:`release` for a tensor or array of ids; the slots as an array."""
+        return np.asarray(self.release(_np(ids).tolist()), dtype=np.int64)
 
     def relink(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Record that the blocks in ``src`` slots now live in ``dst`` slots."""
@@ -229,7 +298,7 @@ class Pool:
             self.num_pending += int(self._fenced_at(src).sum())
         self.moves += src.numel()
         self._log(ids)
-        self._add_holes(src)
+        self._add_holes(src.tolist())
 
     def start_log(self) -> None:
         """Start (or restart) logging which ids' ``loc`` entries change, for :meth:`patch`."""
@@ -248,7 +317,7 @@ class Pool:
             mirror.index_copy_(0, ids.to(mirror.device), self.loc[ids].to(mirror.device))
         self.start_log()
 
-    def _log(self, ids: torch.Tensor | np.ndarray) -> None:
+    def _log(self, ids: torch.Tensor | np.ndarray | list[int]) -> None:
         """Remember ``ids`` for the device mirror. Past a quarter of the table a full copy is
         cheaper than the scatter, so the log collapses to ``num_changed = max_slots``."""
         if self.changed is None or self.num_changed >= self.max_slots:
@@ -257,9 +326,10 @@ class Pool:
         if self.num_changed * 4 >= self.max_slots:
             self.changed.clear()
             self.num_changed = self.max_slots
-        else:  # a copy: callers own (and may change) the ids they pass
-            self.changed.append(torch.from_numpy(ids.copy()) if isinstance(ids, np.ndarray)
-                                else ids.clone())
+        elif isinstance(ids, torch.Tensor):  # a copy: callers own (and may change) their ids
+            self.changed.append(ids.clone())
+        else:
+            self.changed.append(torch.tensor(ids, dtype=_LONG))
 
     def add_fence(self, slots: torch.Tensor, write: bool, delta: int) -> None:
         """Count a fence on (``delta=1``) or off (``delta=-1``) ``slots``."""
@@ -270,7 +340,7 @@ class Pool:
         after = self._fenced_at(slots) & (self.owner[slots] < 0)
         self.num_pending += int(after.sum()) - int(before.sum())
         if delta < 0:  # a retired fence may leave holes behind
-            self._add_holes(slots[before & ~after])
+            self._add_holes(slots[before & ~after].tolist())
 
     def _fenced_at(self, slots: torch.Tensor) -> torch.Tensor:
         if not self.fenced_refs:
@@ -363,6 +433,13 @@ def _np(ids: torch.Tensor | np.ndarray) -> np.ndarray:
     if isinstance(ids, torch.Tensor):
         return ids.to("cpu", _LONG).numpy()
     return np.asarray(ids, dtype=np.int64)
+
+
+def _popping(heap: list[int]) -> Iterator[int]:
+    """The heap's entries, smallest first, each popped off as it is read."""
+    pop = heapq.heappop
+    while heap:
+        yield pop(heap)
 
 
 def _require(ok: bool, message: str) -> None:
