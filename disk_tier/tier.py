@@ -28,7 +28,7 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -48,6 +48,9 @@ from disk_tier.slot import (
 )
 from remote_tier.mac import Mac
 from tierstore.errors import UsageError
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 log = logging.getLogger(__name__)
 
@@ -179,14 +182,20 @@ class DiskTier:
         return self._held[kind].get(slot)
 
     # ------------------------------------------------------------------ I/O
-    def write(self, kind: str, slots: Sequence[int], rows: np.ndarray,
+    def write(self, kind: str, slots: Sequence[int], rows: np.ndarray | Sequence[Buffer],
               metas: Sequence[SlotMeta]) -> list[bool]:
-        """Write ``rows`` ([n, unit] uint8) to ``slots`` (from :meth:`alloc`) as ``metas``
-        say; True per slot written. A slot whose write failed holds nothing (a later read of
-        it is a miss) and stays allocated: the caller frees it."""
+        """Write ``rows`` ([n, unit] uint8, or n buffers of at most unit bytes each, zero
+        padded) to ``slots`` (from :meth:`alloc`) as ``metas`` say; True per slot written. A
+        slot whose write failed holds nothing (a later read of it is a miss) and stays
+        allocated: the caller frees it."""
         unit = self.units[kind]
-        if rows.ndim != 2 or rows.shape != (len(slots), unit) or len(metas) != len(slots):
-            raise UsageError(f"{kind}: {rows.shape} rows / {len(metas)} metas for "
+        if isinstance(rows, np.ndarray):
+            bad = rows.ndim != 2 or rows.shape != (len(slots), unit)
+        else:
+            bad = len(rows) != len(slots) or any(memoryview(r).nbytes > unit for r in rows)
+        if bad or len(metas) != len(slots):
+            raise UsageError(f"{kind}: {len(rows)} rows of "
+                             f"{getattr(rows, 'shape', 'buffers')} / {len(metas)} metas for "
                              f"{len(slots)} slots of {unit} bytes")
         if not len(slots):
             return []
@@ -215,13 +224,15 @@ class DiskTier:
         self.stats.write_s += time.perf_counter() - start
         return ok
 
-    def _write_run(self, kind: str, slots: Sequence[int], rows: np.ndarray,
+    def _write_run(self, kind: str, slots: Sequence[int], rows: np.ndarray | Sequence[Buffer],
                    metas: Sequence[SlotMeta], gens: Sequence[int]) -> None:
         size, unit = self.slot_size[kind], self.units[kind]
-        buf = aligned(size * len(slots)).reshape(len(slots), size)
+        buf = aligned(size * len(slots)).reshape(len(slots), size)  # zeroed: the padding
         for k, (meta, gen) in enumerate(zip(metas, gens, strict=True)):
             body = buf[k, HEADER_BYTES:HEADER_BYTES + unit]
-            body[:] = rows[k]
+            row = rows[k] if isinstance(rows, np.ndarray) else \
+                np.frombuffer(memoryview(rows[k]).cast("B"), np.uint8)
+            body[:row.size] = row
             fields = pack(gen, kind, meta, unit, self.layout)
             buf[k, :TAG_AT] = np.frombuffer(fields, np.uint8)
             buf[k, TAG_AT:TAG_AT + TAG_BYTES] = np.frombuffer(

@@ -25,7 +25,7 @@ def build(tmp_path: Path, stack: contextlib.ExitStack) -> object:
                               "--disk", str(tmp_path / "disk"), "--disk-size", "16MiB"])
     service, _ = server.build(args, stack)
     stack.callback(service.store.close)
-    stack.callback(service.kv.host.close)
+    stack.callback(service.kv.close)
     return service
 
 

@@ -56,6 +56,7 @@ from tierstore.service.codec import (
 from tierstore.service.config import ServiceConfig
 from tierstore.service.http import install
 from tierstore.service.kv import BadKeyError, KeyValueStore
+from tierstore.service.kv_disk import open_disk
 from tierstore.service.leases import LeaseTable
 from tierstore.service.metrics import Metrics
 from tierstore.service.principals import Principals
@@ -87,7 +88,8 @@ class Service:
             Principals.load(config.principals)
         self.auth = Authenticator(config, self.principals)
         self.kv = KeyValueStore(config.kv_host_bytes, None, ttl_s=config.lease_ttl_s,
-                                shared=config.shm, reservation_ttl_s=config.reservation_ttl_s)
+                                shared=config.shm, reservation_ttl_s=config.reservation_ttl_s,
+                                disk=open_disk(config))
         self.pages = PageQuota()
         self.leases = LeaseTable(config.lease_ttl_s)
         self.metrics = Metrics()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,10 @@ class ServiceConfig:
     closed to admit a new one (a new one is refused when none is idle). Request bodies being
     read and handled hold at most ``max_inflight_body_bytes`` together (default twice
     ``max_body_bytes``); a body that would exceed it waits up to ``body_timeout_s``, then 503.
+
+    With ``kv_disk_path``, the storage API's values are also kept on a disk tier there
+    (``kv_disk_bytes`` of slots of ``kv_disk_chunk_bytes`` each, MAC'd with
+    ``kv_disk_mac_key``, None: the deployment secret): host memory is its LRU cache.
 
     Principals: ``principals`` names a principals file (tokens -> tenants, see
     :mod:`.principals`); without one, ``auth_token`` (if any) is the one principal's token.
@@ -50,6 +54,10 @@ class ServiceConfig:
     reserved_bytes_per_principal: int | None = None
     reservations_per_principal: int = 64
     max_reservations: int = 4096
+    kv_disk_path: str | None = None
+    kv_disk_bytes: int = 0
+    kv_disk_chunk_bytes: int = 256 << 10
+    kv_disk_mac_key: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -70,6 +78,10 @@ class ServiceConfig:
         if self.auth_token is not None and self.principals is not None:
             raise ValueError("give either auth_token or a principals file, not both (put the "
                              "token's hash in the file as a tenant)")
+        if self.kv_disk_path is not None and not (self.kv_disk_bytes > 0
+                                                  and self.kv_disk_chunk_bytes > 0):
+            raise ValueError(f"kv_disk_bytes and kv_disk_chunk_bytes must be positive, got "
+                             f"{self.kv_disk_bytes} and {self.kv_disk_chunk_bytes}")
         if not self.reservation_ttl_s > 0:
             raise ValueError(f"reservation_ttl_s must be positive, got {self.reservation_ttl_s}")
         for name in ("reservations_per_principal", "max_reservations"):

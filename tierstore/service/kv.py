@@ -1,10 +1,14 @@
 """Key-addressed storage: the shape of an engine's L3 backend (e.g. SGLang HiCache storage).
 
 Values are opaque bytes under engine-supplied keys. A bounded LRU copy lives in host memory — a
-shared segment that same-host clients read and fill themselves (:mod:`.kv_host`); when Redis is
-configured every value is also written there (shared across instances and restarts). Runs on
-the service's event loop: host bookkeeping is dict work, Redis I/O is awaited, and bulk copies
-happen in the client (shared memory) or while a range is pinned.
+shared segment that same-host clients read and fill themselves (:mod:`.kv_host`); with a disk
+tier (``serve --disk``) every value is also written to its slots (:mod:`.kv_disk`: a larger LRU
+that survives restarts, MAC-verified when read), and when Redis is configured to Redis too
+(shared across instances and restarts). A read looks in host memory, then on disk (a hit is
+copied back into host memory), then in Redis. Runs on the service's event loop: host
+bookkeeping is dict work, Redis I/O is awaited, disk calls run on one thread of their own
+(their I/O on the disk tier's workers), and bulk copies happen in the client (shared memory) or
+while a range is pinned.
 
 Keys carry their tenant (:meth:`KeyValueStore.key`), so two tenants never share a value; a
 tenant with a byte quota loses its own oldest values first (:mod:`.quotas`). A write answers
@@ -17,12 +21,14 @@ import asyncio
 import logging
 import re
 from collections.abc import Callable, Sequence
-from typing import Literal
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 
 from remote_tier import RedisTier, RemoteTierError
 from tierstore.errors import UsageError
+from tierstore.service.kv_disk import DiskValues, digest, flatten
 from tierstore.service.kv_host import HostValues, Value, tenant_of
 from tierstore.service.quotas import ValueQuota
 
@@ -33,6 +39,7 @@ COPY_ON_LOOP_BYTES = 4 << 20
 # Committed shared-memory writes reach Redis in the background; beyond this many bytes in
 # flight a commit waits for its own write (back-pressure).
 WRITE_BEHIND_BYTES = 256 << 20
+T = TypeVar("T")
 # Why a value was not stored: over the tenant's quota, Redis answered the write with an error
 # (e.g. OOM at maxmemory), Redis could not be reached and host memory had no room, or (no
 # Redis) host memory had no room.
@@ -44,17 +51,25 @@ class BadKeyError(UsageError):
 
 
 class KeyValueStore:
-    """Engine-keyed values in host memory (LRU, ``capacity_bytes``) and Redis."""
+    """Engine-keyed values in host memory (LRU, ``capacity_bytes``), on ``disk`` (when given;
+    closed with this store) and in Redis."""
 
     def __init__(self, capacity_bytes: int, remote: RedisTier | None, *, ttl_s: float = 30.0,
-                 shared: bool = True, reservation_ttl_s: float | None = None) -> None:
+                 shared: bool = True, reservation_ttl_s: float | None = None,
+                 disk: DiskValues | None = None) -> None:
         self.capacity_bytes = capacity_bytes
         self.remote = remote
+        self.disk = disk
+        # One thread owns the disk copy's bookkeeping; its I/O fans out on the tier's workers.
+        self._disk_thread = ThreadPoolExecutor(1, thread_name_prefix="tierstore-kv-disk") \
+            if disk is not None else None
+        self._disk_behind: set[asyncio.Task[None]] = set()
+        self._disk_behind_bytes = 0
         self.host = HostValues(capacity_bytes, ttl_s, shared=shared,
                                reservation_ttl_s=reservation_ttl_s)
         self.quota = ValueQuota()
         self.refused: dict[str, int] = {}  # values not stored, by reason
-        self.hits = {"host": 0, "redis": 0, "miss": 0}
+        self.hits = {"host": 0, "disk": 0, "redis": 0, "miss": 0}
         self.sets = 0
         self._behind: set[asyncio.Task[None]] = set()
         self._behind_bytes = 0
@@ -88,6 +103,9 @@ class KeyValueStore:
             stored = [self.host.put(k, v) for k, v in zip(keys, values, strict=True)]
         else:
             stored = await self._put_off_loop(keys, values)
+        if self.disk is not None and keys:
+            on_disk = await self._on_disk(self.disk.put, [digest(k) for k in keys], values)
+            stored = [a or b for a, b in zip(stored, on_disk, strict=True)]
         reasons: list[Reason | None] = [None if ok else "no_room" for ok in stored]
         if self.remote is not None and keys:
             acked, why = await self._remote_put(keys, values)
@@ -97,6 +115,8 @@ class KeyValueStore:
                 elif why == "l3_refused" or not stored[i]:
                     if stored[i]:
                         self.host.drop(keys[i])
+                        if self.disk is not None:
+                            await self._on_disk(self.disk.delete, [digest(keys[i])])
                     stored[i], reasons[i] = False, why
         if limit is not None:
             self.quota.charge(tenant, [k for k, ok in zip(keys, stored, strict=True) if ok],
@@ -149,6 +169,9 @@ class KeyValueStore:
             out.append(value)
         missing = [i for i, v in enumerate(out) if v is None]
         self.hits["host"] += len(keys) - len(missing)
+        if missing and self.disk is not None:
+            await self._from_disk(keys, missing, out)
+            missing = [i for i in missing if out[i] is None]
         if missing and self.remote is not None:
             fetched = await self._remote_get([keys[i] for i in missing])
             for i, view in zip(missing, fetched, strict=True):
@@ -161,6 +184,41 @@ class KeyValueStore:
                 out[i] = value if value is not None else bytes(view)
         self.hits["miss"] += sum(v is None for v in out)
         return out
+
+    async def _from_disk(self, keys: Sequence[str], missing: Sequence[int],
+                         out: list[Value | bytes | None]) -> None:
+        """Fill ``out[i]`` for the ``missing`` keys the disk holds: a pinned host value
+        (copied back into host memory) where it fits, else bytes."""
+        assert self.disk is not None
+        found = await self._on_disk(self.disk.get, [digest(keys[i]) for i in missing])
+        copies: list[tuple[Any, int, Any]] = []  # (rows, length, target array)
+        staged: list[tuple[int, Value]] = []
+        loose: list[tuple[int, np.ndarray]] = []  # no room in host memory: given as bytes
+        for i, got in zip(missing, found, strict=True):
+            if got is None:
+                continue
+            rows, length = got
+            value = self.host.reserve(length)
+            if value is None:
+                target = np.empty(length, np.uint8)
+                copies.append((rows, length, target))
+                loose.append((i, target))
+            else:
+                value.pins = 1  # not yet published: nothing may evict or reuse it
+                copies.append((rows, length, self.host.tensor(value).numpy()))
+                staged.append((i, value))
+        self.hits["disk"] += len(copies)
+        if sum(c[1] for c in copies) < COPY_ON_LOOP_BYTES:
+            _flatten_all(copies)
+        else:
+            await asyncio.get_running_loop().run_in_executor(None, _flatten_all, copies)
+        for i, value in staged:
+            value.pins = 0
+            self.host.publish(keys[i], value)
+            self.host.pin(value)
+            out[i] = value
+        for i, target in loose:
+            out[i] = target.tobytes()
 
     async def read(self, keys: Sequence[str]
                    ) -> tuple[list[memoryview | bytes | None], Callable[[], None]]:
@@ -186,7 +244,7 @@ class KeyValueStore:
     async def batch_exists(self, keys: Sequence[str]) -> int:
         """How many of ``keys``, from the first, some tier holds."""
         count = 0
-        while count < len(keys) and keys[count] in self.host:
+        while count < len(keys) and (keys[count] in self.host or self._disk_has(keys[count])):
             count += 1
         if count < len(keys) and self.remote is not None:
             raw = [self.remote.raw_key(k) for k in keys[count:]]
@@ -199,7 +257,7 @@ class KeyValueStore:
     async def exists_each(self, keys: Sequence[str]) -> list[bool]:
         """Whether some tier holds each of ``keys`` (one Redis probe for those not in host
         memory; a failed probe reads absent)."""
-        present = [k in self.host for k in keys]
+        present = [k in self.host or self._disk_has(k) for k in keys]
         rest = [i for i, here in enumerate(present) if not here]
         if rest and self.remote is not None:
             try:
@@ -217,6 +275,9 @@ class KeyValueStore:
         if keys:
             self.quota.forget(tenant_of(keys[0]), keys)
         deleted = sum(self.host.drop(k) for k in set(keys))
+        if self.disk is not None:
+            deleted = max(deleted, await self._on_disk(self.disk.delete,
+                                                       [digest(k) for k in set(keys)]))
         in_redis = 0
         if self.remote is not None:
             try:
@@ -267,6 +328,8 @@ class KeyValueStore:
         for key, value in done:
             self.host.publish(key, value)
         self.sets += len(done)
+        if done and self.disk is not None:
+            await self._to_disk_behind(done)
         if done and self.remote is not None:
             for _, value in done:  # pinned now: nothing may reuse them before the write runs
                 self.host.pin(value)
@@ -299,21 +362,71 @@ class KeyValueStore:
                 self.host.unpin(value)
 
     async def flush(self) -> None:
-        """Wait for every background Redis write."""
-        while self._behind:
-            await asyncio.gather(*list(self._behind), return_exceptions=True)
+        """Wait for every background Redis and disk write."""
+        while self._behind or self._disk_behind:
+            await asyncio.gather(*self._behind, *self._disk_behind, return_exceptions=True)
 
     async def aclose(self) -> None:
-        """Finish background writes, close Redis and unlink the shared segment."""
+        """Finish background writes, close Redis and the disk copy (its index checkpointed)
+        and unlink the shared segment."""
         await self.flush()
         if self.remote is not None:
             await self.remote.aclose()
+        self.close()
+
+    def close(self) -> None:
+        """Close the disk copy and unlink the shared segment (background writes not yet done
+        are lost: :meth:`aclose` waits for them)."""
+        if self._disk_thread is not None:
+            self._disk_thread.shutdown(wait=True)
+        if self.disk is not None:
+            self.disk.close()
         self.host.close()
 
     def stats(self) -> dict[str, int]:
+        disk = {} if self.disk is None else {**self.disk.stats(),
+                                             "disk_behind_bytes": self._disk_behind_bytes}
         return {**self.host.stats(), "sets": self.sets, "redis_behind_bytes": self._behind_bytes,
-                **{f"hits_{k}": v for k, v in self.hits.items()},
+                **disk, **{f"hits_{k}": v for k, v in self.hits.items()},
                 **{f"refused_{k}": v for k, v in self.refused.items()}}
+
+    # ------------------------------------------------------------------ disk
+    async def _on_disk(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the disk copy's thread."""
+        assert self._disk_thread is not None
+        return await asyncio.get_running_loop().run_in_executor(self._disk_thread, fn, *args)
+
+    def _disk_has(self, key: str) -> bool:
+        # A read of the disk thread's dict from the loop: a value it evicts meanwhile is
+        # reported present and then misses, as with Redis.
+        return self.disk is not None and digest(key) in self.disk
+
+    async def _to_disk_behind(self, items: list[tuple[str, Value]]) -> None:
+        """Write published host values to disk in the background (pinned until written);
+        past ``WRITE_BEHIND_BYTES`` in flight, before returning."""
+        for _, value in items:
+            self.host.pin(value)
+        nbytes = sum(v.length for _, v in items)
+        self._disk_behind_bytes += nbytes
+
+        async def write() -> None:
+            try:
+                await self._on_disk(self.disk.put,  # type: ignore[union-attr]
+                                    [digest(k) for k, _ in items],
+                                    [self.host.view(v) for _, v in items])
+            except Exception:
+                log.exception("disk write of %d storage values failed", len(items))
+            finally:
+                self._disk_behind_bytes -= nbytes
+                for _, value in items:
+                    self.host.unpin(value)
+
+        if self._disk_behind_bytes > WRITE_BEHIND_BYTES:
+            await write()
+        else:
+            task = asyncio.ensure_future(write())
+            self._disk_behind.add(task)
+            task.add_done_callback(self._disk_behind.discard)
 
     async def _remote_put(self, keys: Sequence[str], values: Sequence[bytes | memoryview]
                           ) -> tuple[list[bool], Reason]:
@@ -338,6 +451,11 @@ class KeyValueStore:
         except RemoteTierError as exc:
             log.warning("redis get failed: %s", exc)
             return [None] * len(keys)
+
+
+def _flatten_all(copies: Sequence[tuple[Any, int, Any]]) -> None:
+    for rows, length, target in copies:
+        flatten(rows, length, target)
 
 
 def _fill(host: HostValues, items: list[tuple[Value, bytes]]) -> None:

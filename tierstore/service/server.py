@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from contextlib import ExitStack
 
 import torch
@@ -49,6 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "files (kept across restarts: what is there hits again)")
     parser.add_argument("--disk-size", default="64GiB",
                         help="bytes of the disk tier's slab files, preallocated (with --disk)")
+    parser.add_argument("--disk-kv-size", default="half",
+                        help="the storage API's share of --disk-size (its values in "
+                             "PATH/storage; the prefix store keeps the rest): bytes, or half "
+                             "(default); 0 keeps the storage API's values off the disk")
     parser.add_argument("--mac-key-file", default=None,
                         help="the deployment secret L3 values are authenticated with (mode "
                              "0600, >= 32 bytes; or TIERSTORE_MAC_KEY_FILE / TIERSTORE_MAC_KEY). "
@@ -140,11 +145,18 @@ def build(args: argparse.Namespace, stack: ExitStack) -> tuple[Service, ServiceC
     # split across keys, so the defaults fit every layout.
     remote = RemoteTierConfig(url=redis_url, key_prefix="ts",
                               mac_key=mac_key) if redis_url else None
+    disk_bytes = parse_size(args.disk_size) if args.disk else 0
+    kv_disk = 0 if not args.disk else disk_bytes // 2 if args.disk_kv_size == "half" \
+        else parse_size(args.disk_kv_size)
+    if kv_disk > disk_bytes:
+        raise ValueError(f"--disk-kv-size {args.disk_kv_size} is more than --disk-size "
+                         f"{args.disk_size}")
     config = StoreConfig(capacity_bytes=_l1_bytes(args, device), device=device,
                          eviction=args.eviction, write_policy=args.write_policy,
                          host_capacity_bytes=parse_size(args.l2) // 256 * 256, remote=remote,
-                         disk_path=args.disk, disk_mac_key=mac_key if args.disk else None,
-                         disk_size_bytes=parse_size(args.disk_size) if args.disk else 0)
+                         disk_path=args.disk if disk_bytes > kv_disk else None,
+                         disk_mac_key=mac_key if args.disk else None,
+                         disk_size_bytes=disk_bytes - kv_disk)
     store = TierStore(layout, config)
     service_config = ServiceConfig(host=args.host, port=args.port,
                                    auth_token=(tokens[0] if tokens else None) or
@@ -155,6 +167,9 @@ def build(args: argparse.Namespace, stack: ExitStack) -> tuple[Service, ServiceC
                                    lease_ttl_s=args.lease_ttl,
                                    kv_host_bytes=parse_size(args.kv_host),
                                    shm=not args.no_shm,
+                                   kv_disk_path=os.path.join(args.disk, "storage")
+                                   if kv_disk else None,
+                                   kv_disk_bytes=kv_disk, kv_disk_mac_key=mac_key,
                                    max_connections=args.max_connections,
                                    keepalive_timeout_s=args.idle_timeout,
                                    header_timeout_s=args.header_timeout,

@@ -1,0 +1,223 @@
+"""The storage API's values on the disk tier: ``DiskValues`` alone (chunks, LRU, restart,
+torn and forged chunks), then through a real service (HTTP and shared memory), including a
+service SIGKILLed after its writes and one restarted cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from host_tier import shm
+from remote_tier.mac import Mac
+from tierstore.client import Client
+from tierstore.config import StoreConfig
+from tierstore.service.config import ServiceConfig
+from tierstore.service.kv_disk import DiskValues, digest, flatten
+from tierstore.shm_client import SharedMemoryTransport
+from tierstore.store import TierStore
+from tierstore.testing.reference_model import tiny_layout
+from tierstore.testing.service import RunningService, free_port
+
+SECRET = b"k" * 32
+CHUNK = 8 << 10
+NS = "disk-kv"
+SLOT = CHUNK + 4096  # a chunk's slot: header block + body, aligned
+
+
+def data(n: int, size: int, seed: int) -> list[bytes]:
+    g = np.random.default_rng(seed)
+    return [g.integers(0, 256, size, dtype=np.uint8).tobytes() for _ in range(n)]
+
+
+def opened(where: Path, size: int = 32 * SLOT, secret: bytes = SECRET) -> DiskValues:
+    return DiskValues(where, size, Mac(secret), chunk_bytes=CHUNK, io_threads=2)
+
+
+def read(disk: DiskValues, keys: list[str]) -> list[bytes | None]:
+    out: list[bytes | None] = []
+    for got in disk.get([digest(k) for k in keys]):
+        if got is None:
+            out.append(None)
+            continue
+        rows, length = got
+        target = np.empty(length, np.uint8)
+        flatten(rows, length, target)
+        out.append(target.tobytes())
+    return out
+
+
+def put(disk: DiskValues, keys: list[str], values: list[bytes]) -> list[bool]:
+    return disk.put([digest(k) for k in keys], values)
+
+
+SIZES = [0, 1, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 17]
+
+
+# ------------------------------------------------------------------ DiskValues
+def test_values_of_any_size_round_trip_and_survive_a_clean_close(tmp_path: Path) -> None:
+    values = [data(1, n, seed=n)[0] for n in SIZES]
+    keys = [f"v{n}" for n in SIZES]
+    with opened(tmp_path) as disk:
+        assert put(disk, keys, values) == [True] * len(keys)
+        assert read(disk, [*keys, "absent"]) == [*values, None]
+        disk.check_integrity()
+    with opened(tmp_path) as disk:  # from the checkpointed index
+        assert disk.tier.stats.extra["restart"] == "index"
+        assert disk.recovered == len(keys)
+        assert read(disk, keys) == values
+        disk.check_integrity()
+    os.unlink(tmp_path / "index.bin")  # as after a crash: the headers are scanned
+    with opened(tmp_path) as disk:
+        assert disk.tier.stats.extra["restart"] == "scan"
+        assert read(disk, keys) == values
+        disk.check_integrity()
+
+
+def test_full_disk_evicts_least_recently_used_values(tmp_path: Path) -> None:
+    with opened(tmp_path, size=8 * SLOT) as disk:  # 8 chunks
+        values = data(4, 2 * CHUNK, seed=1)
+        keys = [f"e{i}" for i in range(4)]
+        assert put(disk, keys, values) == [True] * 4
+        assert read(disk, ["e0"]) == [values[0]]  # e0 is now the most recent
+        assert put(disk, ["new"], data(1, 2 * CHUNK, seed=2)) == [True]
+        assert read(disk, keys) == [values[0], None, values[2], values[3]]
+        assert put(disk, ["huge"], data(1, 9 * CHUNK, seed=3)) == [False]  # never fits
+        assert disk.evictions == 1
+        disk.check_integrity()
+
+
+def test_after_a_crash_the_newest_complete_write_of_a_key_wins(tmp_path: Path) -> None:
+    old, new = data(2, 2 * CHUNK + 5, seed=4)
+    with opened(tmp_path) as disk:
+        assert put(disk, ["k"], [old]) == [True]
+        assert put(disk, ["k"], [new]) == [True]  # old's slots are free, its bytes remain
+        assert put(disk, ["other"], [old]) == [True]
+    os.unlink(tmp_path / "index.bin")
+    with opened(tmp_path) as disk:
+        assert read(disk, ["k", "other"]) == [new, old]
+        disk.check_integrity()
+
+
+def test_torn_forged_and_foreign_chunks_are_misses(tmp_path: Path) -> None:
+    values = data(3, 2 * CHUNK, seed=5)
+    keys = ["a", "b", "c"]
+    with opened(tmp_path) as disk:
+        assert put(disk, keys, values) == [True] * 3
+        slots = {k: disk._index[digest(k)].slots for k in keys}
+    slab = tmp_path / "kv.slab"
+    raw = bytearray(slab.read_bytes())
+    raw[slots["a"][1] * SLOT + 4096 + 100] ^= 1  # a body byte of a's second chunk
+    raw[slots["b"][1] * SLOT:slots["b"][1] * SLOT + 4096] = bytes(4096)  # b's chunk torn
+    slab.write_bytes(bytes(raw))
+    with opened(tmp_path) as disk:  # the index names b's torn chunk: its read misses
+        assert read(disk, keys) == [None, None, values[2]]
+        disk.check_integrity()
+        assert disk.tier.stats.misses >= 2
+    os.unlink(tmp_path / "index.bin")
+    with opened(tmp_path) as disk:  # a scan sees that b is incomplete: it is not found;
+        assert digest("b") not in disk  # a's headers are whole: found, and its read misses
+        assert read(disk, ["a", "c"]) == [None, values[2]]
+    with opened(tmp_path, secret=b"x" * 32) as disk:  # another deployment's key
+        assert read(disk, ["c"]) == [None]
+        disk.check_integrity()
+
+
+# ------------------------------------------------------------------ through the service
+def serve(where: Path, *, host: int = 64 << 10, shm_on: bool = False) -> RunningService:
+    store = TierStore(tiny_layout(page_size=4), StoreConfig(capacity_bytes=1 << 20))
+    config = ServiceConfig(port=free_port(), kv_host_bytes=host, shm=shm_on,
+                           kv_disk_path=str(where), kv_disk_bytes=64 * SLOT,
+                           kv_disk_chunk_bytes=CHUNK, kv_disk_mac_key=SECRET)
+    return RunningService(store, config).start()
+
+
+def test_http_values_beyond_host_memory_are_read_back_from_disk(tmp_path: Path) -> None:
+    keys, values = [f"h{i}" for i in range(12)], data(12, 3 * CHUNK + 100, seed=6)  # 300 KiB
+    svc = serve(tmp_path)
+    try:
+        with Client(svc.url, retries=0) as c:
+            assert c.batch_set(keys, values, NS) == [True] * 12
+            kv = svc.service.kv
+            assert kv.stats()["host_evictions"] > 0  # 64 KiB of host memory: most left it
+            assert c.batch_get([*keys, "absent"], NS) == [*values, None]
+            assert kv.stats()["hits_disk"] > 0
+            assert c.batch_exists(keys, NS) == 12
+            assert c.exists_each(["h0", "absent", "h11"], NS) == [True, False, True]
+            assert c.delete(["h3"], NS) == 1
+            assert c.batch_get(["h3"], NS) == [None]
+            assert kv.disk is not None
+            kv.disk.check_integrity()
+            kv.host.check_integrity()
+    finally:
+        svc.stop()
+    again = serve(tmp_path)  # a clean stop checkpointed the disk copy's index
+    try:
+        with Client(again.url, retries=0) as c:
+            rest = [k for k in keys if k != "h3"]
+            assert c.batch_get(rest, NS) == [v for k, v in zip(keys, values) if k != "h3"]
+            assert c.batch_get(["h3"], NS) == [None]
+            assert again.service.kv.stats()["hits_disk"] == len(rest)
+    finally:
+        again.stop()
+
+
+@pytest.mark.skipif(not shm.available(16 << 20), reason="no usable /dev/shm")
+def test_shared_memory_commits_are_written_behind_to_disk(tmp_path: Path) -> None:
+    keys, values = [f"s{i}" for i in range(6)], data(6, 2 * CHUNK + 1, seed=7)
+    svc = serve(tmp_path, host=1 << 20, shm_on=True)
+    try:
+        with Client(svc.url, retries=0) as c:
+            transport = SharedMemoryTransport.attach(c)
+            try:
+                assert transport.batch_set(keys, values, NS) == [True] * 6
+            finally:
+                transport.close()
+    finally:
+        svc.stop()  # waits for the background disk writes
+    again = serve(tmp_path, host=1 << 20, shm_on=True)
+    try:
+        with Client(again.url, retries=0) as c:
+            transport = SharedMemoryTransport.attach(c)
+            try:  # from disk into the new segment, then mapped by the client
+                assert transport.batch_get(keys, NS) == values
+            finally:
+                transport.close()
+        assert again.service.kv.stats()["hits_disk"] == 6
+    finally:
+        again.stop()
+
+
+KILLED = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, sys.argv[2])
+    from pathlib import Path
+    from test_kv_disk import NS, data, serve
+    from tierstore.client import Client
+    svc = serve(Path(sys.argv[1]))
+    with Client(svc.url, retries=0) as c:
+        assert c.batch_set([f"x{i}" for i in range(5)], data(5, 20000, seed=8), NS) == [True] * 5
+    os.kill(os.getpid(), signal.SIGKILL)  # no close: no index, the next start scans
+""")
+
+
+def test_a_sigkilled_service_s_values_are_found_again(tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    proc = subprocess.run([sys.executable, "-c", KILLED, str(tmp_path),
+                           str(Path(__file__).parent)], env=env, capture_output=True,
+                          check=False, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    assert not (tmp_path / "index.bin").exists()
+    svc = serve(tmp_path)
+    try:
+        assert svc.service.kv.stats()["disk_recovered"] == 5
+        with Client(svc.url, retries=0) as c:
+            assert c.batch_get([f"x{i}" for i in range(5)], NS) == data(5, 20000, seed=8)
+    finally:
+        svc.stop()
