@@ -161,7 +161,8 @@ def test_http_values_beyond_host_memory_are_read_back_from_disk(tmp_path: Path) 
     try:
         with Client(again.url, retries=0) as c:
             rest = [k for k in keys if k != "h3"]
-            assert c.batch_get(rest, NS) == [v for k, v in zip(keys, values) if k != "h3"]
+            assert c.batch_get(rest, NS) == [v for k, v in zip(keys, values, strict=True)
+                                             if k != "h3"]
             assert c.batch_get(["h3"], NS) == [None]
             assert again.service.kv.stats()["hits_disk"] == len(rest)
     finally:

@@ -212,8 +212,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "read_vs_dd": ratio(best["dr"], best["r"]),
             })
         scan = _scan(where, args.scan_mib * MiB, args.threads)
-        replay = _disk_replay.compare(args.replay_model, 0.05, 0.05, 0.30, 0.35,
-                                      limit=args.replay_limit) if args.replay else None
+        replay = _disk_replay.compare(args.replay_model, *_disk_replay.SIZES,
+                                      limit=args.replay_limit, directory=args.dir
+                                      ) if args.replay else None
     finally:
         if args.dir is None:
             shutil.rmtree(base, ignore_errors=True)
@@ -238,12 +239,5 @@ def render(result: dict[str, Any]) -> str:
             + ", ".join(f"{k} {v:.1f} s" for k, v in s["clean_restart_100gib_s"].items()))
     out = head + body + scan
     if result.get("replay"):
-        r = result["replay"]
-        out += (f"\nreplay ({r['model']}, {r['requests']} requests, working set "
-                f"{r['working_set_real_gib']:.1f} GiB real):")
-        for name, c in r["configs"].items():
-            shares = ", ".join(f"{k} {v:.1%}" for k, v in c["hit_share"].items())
-            moved = ", ".join(f"{k} {v:,.0f}" for k, v in c["moved_real_mib"].items())
-            out += (f"\n  {name}: hit {c['hit_rate']:.1%} ({shares}); moved MiB (real): "
-                    f"{moved}; store time {c['store_wall_s']:.1f} s")
+        out += "\n" + _disk_replay.render(result["replay"])
     return out

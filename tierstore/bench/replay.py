@@ -11,6 +11,10 @@ cache. Capacities are bytes or fractions of the trace's working set; the run is 
 prompt-token hit rate by tier, requests with any hit, bytes moved per tier pair, evictions,
 and prefill seconds saved under the cost model (``--prefill-tok-s``, ``--host-gbps``,
 ``--redis-gbps``; see ``tierstore.replay.report`` for where the defaults come from).
+``--disk`` adds the disk tier's configuration on the same trace: L1 5% + L2 5% + disk 30%
+against L1 5% + L2 35% (``--disk-sizes``), side by side, with hits and bytes moved per tier and
+the disk's own I/O time (:mod:`tierstore.bench._disk_replay`; ``bench disk --replay`` runs the
+same code on the generated trace).
 Service mode (``--url``): the same replay through the HTTP client against a running
 ``tierstore serve --model M --page-size P --scale N`` (the replay's scaled layout; give the same
 ``--scale N``), time-compressed with ``--speed``; latency percentiles of match / fetch / insert
@@ -27,6 +31,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from tierstore.bench import _disk_replay
 from tierstore.bench._util import table
 from tierstore.layout import preset_names
 from tierstore.replay import mrc_check
@@ -35,7 +40,7 @@ from tierstore.replay.experiment import Setup, Size
 from tierstore.replay.experiment import run as run_experiment
 from tierstore.replay.report import CostModel
 from tierstore.replay.synth import SynthSpec, synthesize, to_jsonl
-from tierstore.replay.trace import TraceError
+from tierstore.replay.trace import TraceError, load_trace
 from tierstore.scaling import parse_scale
 
 
@@ -53,6 +58,13 @@ def _split(text: str) -> dict[str, float] | None:
 def _scale(text: str) -> float | None:
     try:
         return parse_scale(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _disk_sizes(text: str) -> tuple[float, float, float, float]:
+    try:
+        return _disk_replay.parse_sizes(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -111,6 +123,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--auth-token", default=None, help="service mode: bearer token")
     parser.add_argument("--speed", type=float, default=None,
                         help="service mode: pace requests at trace time / SPEED (e.g. 10)")
+    parser.add_argument("--disk", action="store_true",
+                        help="also replay the disk configuration: L1 5%% + L2 5%% + disk 30%% "
+                             "vs L1 5%% + L2 35%% (two more stores, side by side)")
+    parser.add_argument("--disk-sizes", type=_disk_sizes, default=_disk_replay.SIZES,
+                        help="--disk's L1,L2,DISK,L2_ONLY fractions (default 0.05,0.05,0.3,0.35)")
+    parser.add_argument("--disk-dir", default=None,
+                        help="--disk: parent of the disk tier's temporary directory")
     parser.add_argument("--mrc", action="store_true",
                         help="check each configuration's miss-ratio curves against real "
                              "replays with one tier at 0.5x, 2x and 4x (one replay each)")
@@ -162,6 +181,10 @@ def _run(args: argparse.Namespace, trace: Path) -> dict:
     result = run_experiment(setup)
     if args.mrc:
         result["mrc_check"] = mrc_check.check(setup, result)
+    if getattr(args, "disk", False):
+        result["disk"] = _disk_replay.compare(
+            args.model, *args.disk_sizes, requests=load_trace(trace, args.limit),
+            page_size=args.page_size, scaled_mib=args.scaled_mib, directory=args.disk_dir)
     return result
 
 
@@ -231,6 +254,8 @@ def render(result: dict) -> str:
             lines.append(_outcomes(r))
     if "mrc_check" in result:
         lines.append(mrc_check.render(result["mrc_check"]))
+    if "disk" in result:
+        lines.append(_disk_replay.render(result["disk"]))
     for r in result["rows"]:
         for what, p in r.get("latency_ms", {}).items():
             lines.append(f"{r['config']} {what} latency: p50 {p['p50']:.2f} ms, p90 "

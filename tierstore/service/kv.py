@@ -391,6 +391,15 @@ class KeyValueStore:
                 **{f"refused_{k}": v for k, v in self.refused.items()}}
 
     # ------------------------------------------------------------------ disk
+    async def drop_host_copies(self) -> int:
+        """Drop the host copies of values the disk holds (after the background disk writes;
+        pinned ones stay), so that the next reads come from disk; how many were dropped."""
+        await self.flush()
+        if self.disk is None:
+            return 0
+        held = [k for k in list(self.host.keys()) if self._disk_has(k)]
+        return sum(self.host.drop_unpinned(k) for k in held)
+
     async def _on_disk(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on the disk copy's thread."""
         assert self._disk_thread is not None

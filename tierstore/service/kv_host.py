@@ -156,6 +156,15 @@ class HostValues:
             self.slots.free(value.start)
         return True
 
+    def keys(self) -> list[str]:
+        """The keys held, least recently used first."""
+        return list(self._index)
+
+    def drop_unpinned(self, key: str) -> bool:
+        """Unindex ``key``'s value unless a reader pins it; whether it was dropped."""
+        value = self._index.get(key)
+        return value is not None and not value.pins and self.drop(key)
+
     def abandon(self, value: Value) -> None:
         """Return an unpublished reservation."""
         value.dead = True
