@@ -27,16 +27,16 @@ def plan(low: Pool | None, floating: Pool | None, high: Pool | None, capacity: i
     """Band targets that fit ``request`` ({pool: blocks}) after compacting every pool, or
     ``None``. Fenced slots stay where they are; the floating band starts as near its current
     place as it can (fewest moves)."""
-    def grown(p: Pool | None) -> int:
-        if p is None:
-            return 0
-        extent = p.min_extent()
-        holes = extent - p.num_live - p.num_pending
-        return extent + max(0, request.get(p.name, 0) - holes)
-
-    if any(p is not None and grown(p) > p.cap for p in (low, floating, high)):
-        return None
-    low_slots, high_slots = grown(low), grown(high)
+    grown: dict[str, int] = {}  # band slots per pool after compaction, with the request
+    for p in (low, floating, high):
+        if p is not None:
+            extent = p.min_extent()
+            holes = extent - p.num_live - p.num_pending
+            grown[p.name] = size = extent + max(0, request.get(p.name, 0) - holes)
+            if size > p.cap:
+                return None
+    low_slots = grown[low.name] if low else 0
+    high_slots = grown[high.name] if high else 0
     low_end = low_slots * low.unit if low else 0
     high_start = capacity
     if high:
@@ -46,7 +46,7 @@ def plan(low: Pool | None, floating: Pool | None, high: Pool | None, capacity: i
     f = floating
     if f is None or (f.num_live + f.num_pending + request.get(f.name, 0)) == 0:
         return Plan(low_slots, high_slots, None)
-    size = grown(f)
+    size = grown[f.name]
     s_min = ceil_div(low_end - f.origin, f.unit)
     s_max = (high_start - f.origin) // f.unit - size
     pins = f.pins()

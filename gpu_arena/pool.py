@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+from array import array
 from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
@@ -11,10 +12,6 @@ import torch
 from gpu_arena.spec import IntegrityError, PoolSpec
 
 _LONG = torch.long
-# Ids per call up to which Python loops over memoryviews of the tables beat numpy: a numpy
-# call costs ~1 µs before it does anything, a memoryview item ~50 ns; a request's 24 blocks
-# are far below it, a bulk fill of thousands far above.
-SMALL = 64
 
 
 class Pool:
@@ -27,8 +24,14 @@ class Pool:
     """
 
     # Stale entries the hole heap may hold beyond 4x its holes before a sweep drops them
-    # (tests lower it to sweep often).
-    sweep_slack = 4096
+    # (tests lower it to sweep often). Small: stale entries far from the anchor never surface,
+    # and a heap of a few thousand of them makes every pop dearer; a sweep stays amortised
+    # O(1) per stale entry at any slack, as it waits for 3x the holes in stale entries.
+    sweep_slack = 64
+    # Ids per call up to which binding and releasing loop over memoryviews of the tables, and
+    # past which they use numpy: a numpy call costs ~1 µs before it does anything, a memoryview
+    # item ~50 ns. A request's 24 blocks are below it, a bulk fill of thousands far above.
+    small_batch = 64
 
     def __init__(self, spec: PoolSpec, origin: int, max_slots: int, lo: int) -> None:
         self.spec = spec
@@ -127,40 +130,36 @@ class Pool:
         taken off the hole heap. Entries met on the way that are stale or outside ``[lo, hi)``
         are dropped: the caller re-cuts the band to ``[lo, hi)`` or it already is that."""
         heap = self._hole_heap
+        found: list[int] = []
+        if n <= 0 or not heap:
+            return found
         if len(heap) <= 2 * n + 32:
             # Most of the heap is wanted (a request reusing what an eviction just freed): one
             # sort, then a prefix. A sorted list is a heap, and so is what follows the prefix.
             heap.sort()
-            found, used = self._valid_holes(heap, lo, hi, n)
-            del heap[:used]
+            entries: Iterable[int] = heap
         else:
-            found, used = self._valid_holes(_popping(heap), lo, hi, n)
-        self.visited += used
-        return found
-
-    def _valid_holes(self, entries: Iterable[int], lo: int, hi: int, n: int
-                     ) -> tuple[list[int], int]:
-        """The first ``n`` entries (in heap order) that are holes of ``[lo, hi)`` now, and how
-        many entries were read to find them. Equal entries come one after another."""
+            entries = _popping(heap)
         sign = -1 if self.anchor == "high" else 1
         owner, readers, writers = self._owner_mv, self._readers_mv, self._writers_mv
         fenced = self.fenced_refs
-        found: list[int] = []
-        last, used = None, 0
-        if n <= 0:
-            return found, 0
+        last, used, left = None, 0, n
         for entry in entries:
             used += 1
             slot = sign * entry
-            if slot == last:  # a repeated entry
+            if slot == last:  # a repeated entry: equal entries come one after another
                 continue
             last = slot
             if lo <= slot < hi and owner[slot] < 0 and not (
                     fenced and (readers[slot] > 0 or writers[slot] > 0)):
                 found.append(slot)
-                if len(found) == n:
+                left -= 1
+                if not left:
                     break
-        return found, used
+        if entries is heap:
+            del heap[:used]
+        self.visited += used
+        return found
 
     def _add_holes(self, slots: Sequence[int]) -> None:
         """Remember ``slots`` as possible holes (validated when they surface)."""
@@ -168,7 +167,7 @@ class Pool:
         if len(heap) > 4 * (self.num_holes + len(slots)) + self.sweep_slack:
             self._sweep_heap()  # mostly stale: drop the stale entries (amortised O(1))
         entries = [-s for s in slots] if self.anchor == "high" else slots
-        if len(heap) < len(entries):  # a heap smaller than the batch: rebuild it, O(h + k)
+        if len(heap) <= 4 * len(entries):  # a small heap: one C heapify beats k pushes
             heap.extend(entries)
             heapq.heapify(heap)
         else:
@@ -231,7 +230,7 @@ class Pool:
         assert n <= self.num_free_ids, f"pool {self.name}: {n} ids wanted, {self.num_free_ids} free"
         top = self.num_free_ids
         ids: list[int]
-        if n > SMALL:
+        if n > self.small_batch:
             ids_np = self._free_np[top - n : top][::-1].copy()
             slots_np = np.asarray(slots, dtype=np.int64)
             self.loc_np[ids_np] = slots_np
@@ -256,7 +255,7 @@ class Pool:
         n = len(ids)
         top = self.num_free_ids
         slots: list[int]
-        if n > SMALL:
+        if n > self.small_batch:
             ids_np = np.asarray(ids, dtype=np.int64)
             slots_np = self.loc_np[ids_np]
             self.owner_np[slots_np] = -1
@@ -264,12 +263,13 @@ class Pool:
             self._free_np[top : top + n] = ids_np[::-1]
             slots = slots_np.tolist()
         else:
-            loc, owner, free = self._loc_mv, self._owner_mv, self._free_mv
+            loc, owner = self._loc_mv, self._owner_mv
             slots = [loc[i] for i in ids]
-            for k, (i, slot) in enumerate(zip(ids, slots, strict=True)):
+            for i, slot in zip(ids, slots, strict=True):
                 loc[i] = -1
                 owner[slot] = -1
-                free[top + n - 1 - k] = i  # pushed in reverse: the next pop hands them out in order
+            # Pushed in reverse: the next pop hands them out in this order.
+            self._free_mv[top : top + n] = array(self._free_mv.format, reversed(ids))
         self.num_free_ids += n
         self.num_live -= n
         if self.changed is not None:

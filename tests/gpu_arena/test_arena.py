@@ -371,3 +371,61 @@ def test_a_free_that_sweeps_the_hole_heap_keeps_its_hole(monkeypatch: pytest.Mon
         assert again is not None and arena.resolve("kv", again).tolist() == [1]
         arena.check_integrity()
     assert swept, "no free swept the heap: the test no longer covers the sweep"
+
+
+def test_alloc_ids_is_alloc_as_a_list() -> None:
+    """The store's list path hands out what :meth:`Arena.alloc` would, in the same order, and
+    shares its refusals: ``None`` when full (nothing changes), named errors for misuse."""
+    a, b = three_pools(), three_pools()
+    for pool, n in (("kv", 5), ("swa", 3), ("state", 2), ("kv", 0), ("swa", 7)):
+        got, want = a.alloc_ids(pool, n), b.alloc(pool, n)
+        assert isinstance(got, list) and want is not None and got == want.tolist()
+        assert a.resolve(pool, got).tolist() == b.resolve(pool, want).tolist()
+    a.free_owned("kv", [1, 3])
+    b.free("kv", [1, 3])
+    assert a.alloc_ids("kv", 2) == b.alloc("kv", 2).tolist()  # type: ignore[union-attr]
+    before = a.stats()
+    assert a.alloc_ids("kv", 10_000) is None and a.stats() == before
+    with pytest.raises(ArenaError, match="non-negative int"):
+        a.alloc_ids("kv", -1)
+    with pytest.raises(ArenaError, match="unknown pool"):
+        a.alloc_ids("nope", 1)
+    a.check_integrity()
+
+
+def test_free_owned_takes_lists_arrays_and_tensors() -> None:
+    import numpy as np
+
+    a = Arena(16 * U, [PoolSpec("kv", U, "low")])
+    ids = a.alloc_ids("kv", 6)
+    assert ids is not None
+    a.free_owned("kv", ids[:2])
+    a.free_owned("kv", np.asarray(ids[2:4]))
+    a.free_owned("kv", torch.tensor(ids[4:]))
+    a.free_owned("kv", [])
+    assert a.num_live("kv") == 0
+    a.check_integrity()
+
+
+@pytest.mark.parametrize("slots", [2_000, 100_000])
+def test_steady_churn_keeps_the_hole_heap_small(slots: int) -> None:
+    """The engine's steady state: free the oldest request's 24 KV + 24 SWA blocks, allocate a
+    new request's. Each allocation reuses the freed holes and visits about one heap entry per
+    block, and stale heap entries (left where the band trimmed past them) are swept before
+    they pile up, so a pop costs the same at any size and after any history."""
+    a = Arena(slots * 2 * U, [PoolSpec("swa", U, "float"), PoolSpec("kv", U, "high")],
+              device="meta")
+    requests = []
+    while a.can_alloc({"kv": 24, "swa": 24}):
+        requests.append((a.alloc_ids("kv", 24), a.alloc_ids("swa", 24)))
+    visited, moves = a.visited_slots(), a.stats().moves
+    for _ in range(1_000):
+        kv, swa = requests.pop(0)
+        a.free_owned("kv", kv)
+        a.free_owned("swa", swa)
+        requests.append((a.alloc_ids("kv", 24), a.alloc_ids("swa", 24)))
+        for pool in a._pools.values():  # the sweep's threshold when the 24 were freed, + 24
+            assert len(pool._hole_heap) <= 4 * (pool.num_holes + 48) + pool.sweep_slack + 24
+    assert a.visited_slots() - visited <= 2 * 48 * 1_000
+    assert a.stats().moves == moves, "reusing freed holes moves nothing"
+    a.check_integrity()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
@@ -24,8 +25,11 @@ class ArenaMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.arena = Arena(CAPACITY, POOLS, device=self.DEVICE)
-        for pool in self.arena._pools.values():
-            pool.sweep_slack = 0  # sweep the hole heap often (real pools wait for 4096 stale)
+        for pool, small in zip(self.arena._pools.values(), (0, 2, 64), strict=True):
+            pool.sweep_slack = 0  # sweep the hole heap often (real pools wait for 64 stale)
+            # Bind and release through numpy (state), both paths by size (swa) and the
+            # memoryview loops (kv): they must agree.
+            pool.small_batch = small
         self.units = {p.name: p.unit_bytes for p in POOLS}
         self.data: dict[tuple[str, int], torch.Tensor] = {}  # (pool, id) -> expected bytes
         # Each pending fence: its pool, block id, slot at fencing time, and whether the block
@@ -44,10 +48,16 @@ class ArenaMachine(RuleBasedStateMachine):
     def _pinned_slots(self, pool: str) -> set[int]:
         return {f["slot"] for f in self.fences if f["pool"] == pool}
 
-    @rule(pool=st.sampled_from([p.name for p in POOLS]), n=st.integers(0, 6))
-    def alloc(self, pool: str, n: int) -> None:
+    @rule(pool=st.sampled_from([p.name for p in POOLS]), n=st.integers(0, 6),
+          listed=st.booleans())
+    def alloc(self, pool: str, n: int, listed: bool) -> None:
+        """Through :meth:`Arena.alloc`, or :meth:`Arena.alloc_ids` as the store does."""
         predicted = self.arena.can_alloc({pool: n})
-        ids = self.arena.alloc(pool, n)
+        if listed:
+            got = self.arena.alloc_ids(pool, n)
+            ids = None if got is None else torch.tensor(got, dtype=torch.long)
+        else:
+            ids = self.arena.alloc(pool, n)
         assert (ids is not None) == predicted, f"can_alloc said {predicted} for {pool}:{n}"
         if ids is None:
             return
@@ -74,16 +84,18 @@ class ArenaMachine(RuleBasedStateMachine):
                 self.data[(pool, vid)] = data[i]
 
     @precondition(lambda self: bool(self.data))
-    @rule(pick=st.data(), owned=st.booleans())
-    def free(self, pick: st.DataObject, owned: bool) -> None:
+    @rule(pick=st.data(), owned=st.sampled_from(["no", "list", "array"]))
+    def free(self, pick: st.DataObject, owned: str) -> None:
         """Free through :meth:`Arena.free`, or :meth:`Arena.free_owned` as the store's eviction
-        does (live ids, each once: no re-validation)."""
+        does (live ids, each once: no re-validation), given a list or an array."""
         keys = sorted(self.data)
         chosen = pick.draw(st.lists(st.sampled_from(keys), min_size=1, max_size=5, unique=True))
         pool = chosen[0][0]
         ids = [vid for p, vid in chosen if p == pool]
-        if owned:
+        if owned == "list":
             self.arena.free_owned(pool, ids)
+        elif owned == "array":
+            self.arena.free_owned(pool, np.asarray(ids))
         else:
             self.arena.free(pool, ids)
         for vid in ids:
