@@ -17,6 +17,7 @@ from gpu_arena.planner import Plan, ceil_div, plan
 from gpu_arena.pool import Pool
 from gpu_arena.spec import ALIGN, ANCHORS, ArenaError, IntegrityError, PoolSpec
 from gpu_arena.stats import ArenaStats, PoolStats
+from gpu_arena.views import Views
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +83,7 @@ class Arena:
         by_anchor = {p.anchor: p for p in self._pools.values()}
         self._low, self._float, self._high = (by_anchor.get(a) for a in ("low", "float", "high"))
         self._fences: list[Fence] = []
-        self._views: dict[str, torch.Tensor] = {}
-        self._device_tables: dict[str, tuple[int, torch.Tensor]] = {}  # pool -> (stream, loc)
+        self._views = Views(self._buf)
         self.compactions = 0
 
     # ================================================================ public API
@@ -191,7 +191,7 @@ class Arena:
         if page_size < 1:
             raise ArenaError(f"page_size must be >= 1, got {page_size}")
         ids = self._ids(p, ids, check=sink is None)
-        table = self._device_table(p)
+        table = self._views.table(p)
         return kernels.remap(table, ids.to(table.device), sink=-1 if sink is None else sink,
                              page_size=page_size)
 
@@ -199,7 +199,7 @@ class Arena:
         """A copy of the blocks' bytes, ``[n, unit_bytes]`` uint8 on the arena's device."""
         p = self._pool(pool)
         slots = p.loc[self._ids(p, ids)].to(self.device)
-        return self._slot_view(p).index_select(0, slots)
+        return self._views.rows(p).index_select(0, slots)
 
     def rows(self, pool: str, ids: IdsLike) -> list[torch.Tensor]:
         """The blocks' bytes without copying where possible: one ``[unit_bytes]`` view per id on
@@ -207,7 +207,7 @@ class Arena:
         call, or under a fence), one host copy split into rows on CUDA."""
         p = self._pool(pool)
         slots = p.loc[self._ids(p, ids)]
-        view = self._slot_view(p)
+        view = self._views.rows(p)
         if self.device.type == "cuda":
             return list(view.index_select(0, slots.to(self.device)).cpu())
         return [view[int(s)] for s in slots]
@@ -223,12 +223,12 @@ class Arena:
             raise ArenaError(f"pool {p.name!r}: write needs uint8 {want}, got {got}")
         slots = p.loc[ids].to(self.device)
         data = data.to(self.device)
-        wide = self._wide_view(p)
+        wide = self._views.wide(p)
         if wide is not None and data.is_contiguous():
             # 8-byte elements: torch copies uint8 rows element by element, ~3x slower
             wide.index_copy_(0, slots, data.view(torch.int64))
         else:
-            self._slot_view(p).index_copy_(0, slots, data)
+            self._views.rows(p).index_copy_(0, slots, data)
 
     def layer_view(
         self,
@@ -241,22 +241,7 @@ class Arena:
         """A zero-copy ``[max_slots, *shape]`` view of one field (e.g. one layer's K) of every
         block of ``pool``: slot ``s``'s field starts ``offset`` bytes into the block; ``strides``
         are in elements. Index it with :meth:`resolve` slots. Stays valid across compaction."""
-        p = self._pool(pool)
-        itemsize = torch.empty(0, dtype=dtype).element_size()
-        shape = tuple(int(s) for s in shape)
-        strides = tuple(int(s) for s in strides) if strides is not None else _contiguous(shape)
-        if len(strides) != len(shape) or any(s <= 0 for s in shape):
-            raise ArenaError(f"layer_view: shape {shape} and strides {strides} do not match")
-        last = sum((n - 1) * st for n, st in zip(shape, strides, strict=True))
-        extent = offset + (last + 1) * itemsize
-        if offset < 0 or extent > p.unit or p.unit % itemsize or (p.origin + offset) % itemsize:
-            raise ArenaError(
-                f"layer_view on {p.name!r}: offset {offset} B + extent of {shape}/{strides} in "
-                f"{dtype} ({extent} B) must fit the {p.unit} B unit at {itemsize}-byte alignment"
-            )
-        typed = self._buf.view(dtype)
-        return typed.as_strided((p.max_slots, *shape), (p.unit // itemsize, *strides),
-                                (p.origin + offset) // itemsize)
+        return self._views.field(self._pool(pool), dtype, shape, strides, offset)
 
     def fence(self, pool: str, ids: IdsLike, mode: FenceMode, *,
               event: torch.cuda.Event | None = None) -> Fence:
@@ -453,55 +438,8 @@ class Arena:
         for name in touched:
             self._pools[name].trim()
 
-    def _slot_view(self, p: Pool) -> torch.Tensor:
-        view = self._views.get(p.name)
-        if view is None:
-            view = self._buf[p.origin : p.origin + p.max_slots * p.unit].view(p.max_slots, p.unit)
-            self._views[p.name] = view
-        return view
-
-    def _wide_view(self, p: Pool) -> torch.Tensor | None:
-        """The pool's slots as ``int64`` rows (units are 16-byte multiples), or None where the
-        band's byte offset does not allow it (an accounting-only arena has no bytes)."""
-        if self.device.type == "meta" or p.unit % 8:
-            return None
-        key = f"{p.name}/i64"
-        view = self._views.get(key)
-        if view is None:
-            try:
-                view = self._slot_view(p).view(torch.int64)
-            except RuntimeError:
-                return None
-            self._views[key] = view
-        return view
-
-    def _device_table(self, p: Pool) -> torch.Tensor:
-        """``p.loc`` on the arena's device. The mirror is patched in place on the current stream
-        with only the entries changed since the last call (the pool logs them), so a resolve
-        after a few allocations copies a few entries, not the table. A call from another stream
-        gets a fresh copy: a kernel still queued on the old stream may be reading the old one."""
-        if self.device.type in ("cpu", "meta"):  # meta: accounting only, tables stay on CPU
-            return p.loc
-        stream = torch.cuda.current_stream(self.device)
-        cached = self._device_tables.get(p.name)
-        if cached is None or cached[0] != stream.cuda_stream:
-            table = p.loc.to(self.device)
-            self._device_tables[p.name] = (stream.cuda_stream, table)
-            p.start_log()
-            return table
-        p.patch(cached[1])
-        return cached[1]
-
 
 def _count(pool: str, n: object) -> int:
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ArenaError(f"pool {pool!r}: block count must be a non-negative int, got {n!r}")
     return n
-
-
-def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= n
-    return tuple(reversed(strides))
