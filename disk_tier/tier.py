@@ -24,8 +24,9 @@ import heapq
 import json
 import logging
 import os
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -33,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 import disk_tier.index as index
-from disk_tier.slab import SlabFile, aligned, runs
+from disk_tier.slab import MAX_RUN_BYTES, SlabFile, aligned, runs
 from disk_tier.slot import (
     ALIGN,
     HEADER_BYTES,
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+Sink = Callable[[int, np.ndarray, list[bool]], None]
 FORMAT = 1
 # Slots per page of each kind when the size is split: a KV and an SWA envelope per page, a
 # state checkpoint about every fourth page (they sit only at the ends of cached prompts).
@@ -227,35 +229,47 @@ class DiskTier:
     def _write_run(self, kind: str, slots: Sequence[int], rows: np.ndarray | Sequence[Buffer],
                    metas: Sequence[SlotMeta], gens: Sequence[int]) -> None:
         size, unit = self.slot_size[kind], self.units[kind]
-        buf = aligned(size * len(slots)).reshape(len(slots), size)  # zeroed: the padding
+        buf = _scratch(size * len(slots)).reshape(len(slots), size)
+        buf[:, TAG_AT + TAG_BYTES:HEADER_BYTES] = 0  # no stale bytes of another slot go down
+        buf[:, HEADER_BYTES + unit:] = 0
         for k, (meta, gen) in enumerate(zip(metas, gens, strict=True)):
             body = buf[k, HEADER_BYTES:HEADER_BYTES + unit]
             row = rows[k] if isinstance(rows, np.ndarray) else \
                 np.frombuffer(memoryview(rows[k]).cast("B"), np.uint8)
             body[:row.size] = row
+            body[row.size:] = 0
             fields = pack(gen, kind, meta, unit, self.layout)
             buf[k, :TAG_AT] = np.frombuffer(fields, np.uint8)
             buf[k, TAG_AT:TAG_AT + TAG_BYTES] = np.frombuffer(
                 self.mac.sign(meta.key, fields, body.data), np.uint8)
         self.files[kind].write(slots[0], list(buf))
 
-    def read(self, kind: str, slots: Sequence[int], expect: Sequence[bytes] | None = None
+    def read(self, kind: str, slots: Sequence[int], expect: Sequence[bytes] | None = None,
+             *, out: np.ndarray | None = None, sink: Sink | None = None
              ) -> tuple[np.ndarray, list[bool]]:
-        """The envelopes in ``slots`` as rows [n, unit] (a view; rows that failed are
+        """The envelopes in ``slots`` as rows [n, unit] (a view into ``out``, an aligned
+        buffer of at least n slots the caller reuses, else a new one; rows that failed are
         garbage) and whether each verified: the header names ``kind``, this layout, the
         expected page key (``expect``, else the key the index holds for the slot) and its
-        tag matches. A slot that fails is freed and counted as a miss."""
+        tag matches. A slot that fails is freed and counted as a miss. ``sink(first, rows,
+        ok)`` is called on the worker thread of each run once it is read and verified (rows
+        from ``first`` on), so copies out overlap the other runs' I/O."""
         unit, size = self.units[kind], self.slot_size[kind]
         held = self._held[kind]
         keys = list(expect) if expect is not None else [
             held[s].key if s in held else b"" for s in slots]
-        buf = aligned(size * max(1, len(slots)), zero=False).reshape(-1, size)
+        nbytes = size * max(1, len(slots))
+        if out is not None:
+            assert out.nbytes >= nbytes and out.ctypes.data % ALIGN == 0, "a small or unaligned out"
+            buf = out.reshape(-1)[:nbytes].reshape(-1, size)
+        else:
+            buf = aligned(nbytes, zero=False).reshape(-1, size)
         ok = [False] * len(slots)
         if not len(slots):
             return buf[:0, HEADER_BYTES:HEADER_BYTES + unit], ok
         start = time.perf_counter()
         jobs = [(i, n, self._pool.submit(self._read_run, kind, slots[i:i + n], buf[i:i + n],
-                                         keys[i:i + n]))
+                                         keys[i:i + n], i, sink))
                 for i, n in runs(slots, size)]
         for i, n, job in jobs:
             got = _wait(job, f"{self.path}: read")
@@ -274,7 +288,8 @@ class DiskTier:
         return buf[:, HEADER_BYTES:HEADER_BYTES + unit], ok
 
     def _read_run(self, kind: str, slots: Sequence[int], buf: np.ndarray,
-                  keys: Sequence[bytes]) -> list[bool]:
+                  keys: Sequence[bytes], first: int = 0, sink: Sink | None = None
+                  ) -> list[bool]:
         self.files[kind].read(slots[0], list(buf))
         unit = self.units[kind]
         out = []
@@ -285,6 +300,8 @@ class DiskTier:
                        and self.mac.verify(key, head.fields,
                                            buf[k, HEADER_BYTES:HEADER_BYTES + unit].data,
                                            head.tag))
+        if sink is not None:
+            sink(first, buf[:, HEADER_BYTES:HEADER_BYTES + unit], out)
         return out
 
     # ------------------------------------------------------------------ restart
@@ -424,6 +441,22 @@ def _split(size: int, slot_size: Mapping[str, int], weights: Mapping[str, float]
         raise DiskTierError(f"a disk tier of {size} bytes cannot hold one slot per kind "
                             f"(slots of {dict(slot_size)} bytes)")
     return out
+
+
+_local = threading.local()
+SCRATCH_MAX = 8 << 20  # a worker keeps a staging buffer up to this size between writes
+
+
+def _scratch(nbytes: int) -> np.ndarray:
+    """An aligned staging buffer of ``nbytes`` (contents stale) for this worker thread: kept
+    and reused up to ``SCRATCH_MAX``, since a fresh buffer costs a page fault per 4 KiB (on a
+    busy VM, more than the write itself)."""
+    if nbytes > SCRATCH_MAX:
+        return aligned(nbytes, zero=False)
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.nbytes < nbytes:
+        buf = _local.buf = aligned(max(nbytes, MAX_RUN_BYTES), zero=False)
+    return buf[:nbytes]
 
 
 def _wait(job: Future[Any], what: str) -> Any:

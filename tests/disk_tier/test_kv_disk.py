@@ -18,8 +18,9 @@ from host_tier import shm
 from remote_tier.mac import Mac
 from tierstore.client import Client
 from tierstore.config import StoreConfig
+from tierstore.service import kv_disk
 from tierstore.service.config import ServiceConfig
-from tierstore.service.kv_disk import DiskValues, digest, flatten
+from tierstore.service.kv_disk import DiskValues, digest
 from tierstore.shm_client import SharedMemoryTransport
 from tierstore.store import TierStore
 from tierstore.testing.reference_model import tiny_layout
@@ -41,16 +42,11 @@ def opened(where: Path, size: int = 32 * SLOT, secret: bytes = SECRET) -> DiskVa
 
 
 def read(disk: DiskValues, keys: list[str]) -> list[bytes | None]:
-    out: list[bytes | None] = []
-    for got in disk.get([digest(k) for k in keys]):
-        if got is None:
-            out.append(None)
-            continue
-        rows, length = got
-        target = np.empty(length, np.uint8)
-        flatten(rows, length, target)
-        out.append(target.tobytes())
-    return out
+    lengths = [disk.length(digest(k)) for k in keys]
+    targets = [None if n is None else np.empty(n, np.uint8) for n in lengths]
+    got = disk.get_into([digest(k) for k in keys], targets)
+    return [t.tobytes() if ok and t is not None else None
+            for ok, t in zip(got, targets, strict=True)]
 
 
 def put(disk: DiskValues, keys: list[str], values: list[bytes]) -> list[bool]:
@@ -77,6 +73,18 @@ def test_values_of_any_size_round_trip_and_survive_a_clean_close(tmp_path: Path)
     with opened(tmp_path) as disk:
         assert disk.tier.stats.extra["restart"] == "scan"
         assert read(disk, keys) == values
+        disk.check_integrity()
+
+
+def test_reads_larger_than_the_staging_buffer_go_in_groups(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    monkeypatch.setattr(kv_disk, "STAGE_BYTES", 3 * SLOT)
+    values = [data(1, n, seed=n + 50)[0] for n in SIZES]  # 1 to 4 chunks each
+    keys = [f"g{n}" for n in SIZES]
+    with opened(tmp_path) as disk:
+        assert put(disk, keys, values) == [True] * len(keys)
+        assert read(disk, keys[::-1]) == values[::-1]
         disk.check_integrity()
 
 

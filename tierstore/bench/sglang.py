@@ -21,7 +21,8 @@ interleaved rounds (median):
   like HiCacheFile (what the Redis write-through costs the writer on a shared 2-core host);
 - ``tierstore on disk`` (``--disk``): shared memory to a service without L3 whose storage API
   keeps its values on a disk tier in the same directory as HiCacheFile's (O_DIRECT where the
-  filesystem takes it); host memory holds a batch.
+  filesystem takes it), written behind from host memory (which, like HiCacheFile's page cache,
+  holds the working set).
 
 ``--cold`` (with ``--disk``) reads from a cold cache: between the sets and the gets (untimed)
 HiCacheFile's files are synced and dropped from the page cache (``posix_fadvise(DONTNEED)``),
@@ -219,9 +220,8 @@ def run(args: argparse.Namespace) -> dict:
             "tierstore http": (services[0].url, "http", services[0]),
             "tierstore, Redis gets": (services[1].url, "http", services[1]),
             "tierstore shm, no Redis": (services[2].url, "shm", services[2])} if services else {}
-        if disk and not args.url:  # host memory for one batch and a bit; the rest on disk
-            services.append(service(None, "", args.batch * page_bytes + (16 << 20),
-                                    os.path.join(tmp, "tierstore")))
+        if disk and not args.url:  # host memory absorbs the sets, as the page cache does
+            services.append(service(None, "", 2 * working_set, os.path.join(tmp, "tierstore")))
             urls["tierstore on disk"] = (services[-1].url, "shm", services[-1])
         try:
             backends = {"HiCacheFile": StorageBackendFactory.create_backend(

@@ -28,7 +28,7 @@ import numpy as np
 
 from remote_tier import RedisTier, RemoteTierError
 from tierstore.errors import UsageError
-from tierstore.service.kv_disk import DiskValues, digest, flatten
+from tierstore.service.kv_disk import DiskValues, digest
 from tierstore.service.kv_host import HostValues, Value, tenant_of
 from tierstore.service.quotas import ValueQuota
 
@@ -188,37 +188,35 @@ class KeyValueStore:
     async def _from_disk(self, keys: Sequence[str], missing: Sequence[int],
                          out: list[Value | bytes | None]) -> None:
         """Fill ``out[i]`` for the ``missing`` keys the disk holds: a pinned host value
-        (copied back into host memory) where it fits, else bytes."""
+        (read from disk straight into a host range) where one fits, else bytes."""
         assert self.disk is not None
-        found = await self._on_disk(self.disk.get, [digest(keys[i]) for i in missing])
-        copies: list[tuple[Any, int, Any]] = []  # (rows, length, target array)
-        staged: list[tuple[int, Value]] = []
-        loose: list[tuple[int, np.ndarray]] = []  # no room in host memory: given as bytes
-        for i, got in zip(missing, found, strict=True):
-            if got is None:
-                continue
-            rows, length = got
-            value = self.host.reserve(length)
-            if value is None:
-                target = np.empty(length, np.uint8)
-                copies.append((rows, length, target))
-                loose.append((i, target))
+        digests = [digest(keys[i]) for i in missing]
+        # Lengths read from the disk thread's index on the loop: a value replaced meanwhile
+        # no longer matches its target and reads as a miss.
+        lengths = [self.disk.length(d) for d in digests]
+        targets: list[np.ndarray | None] = []
+        ranges: list[Value | None] = []
+        for length in lengths:
+            value = None if length is None else self.host.reserve(length)
+            if value is not None:
+                value.pins = 1  # unpublished: nothing may reuse it while the disk fills it
+                targets.append(self.host.tensor(value).numpy())
             else:
-                value.pins = 1  # not yet published: nothing may evict or reuse it
-                copies.append((rows, length, self.host.tensor(value).numpy()))
-                staged.append((i, value))
-        self.hits["disk"] += len(copies)
-        if sum(c[1] for c in copies) < COPY_ON_LOOP_BYTES:
-            _flatten_all(copies)
-        else:
-            await asyncio.get_running_loop().run_in_executor(None, _flatten_all, copies)
-        for i, value in staged:
-            value.pins = 0
-            self.host.publish(keys[i], value)
-            self.host.pin(value)
-            out[i] = value
-        for i, target in loose:
-            out[i] = target.tobytes()
+                targets.append(None if length is None else np.empty(length, np.uint8))
+            ranges.append(value)
+        got = await self._on_disk(self.disk.get_into, digests, targets)
+        for i, ok, value, target in zip(missing, got, ranges, targets, strict=True):
+            if value is not None:
+                value.pins = 0
+                if not ok:
+                    self.host.abandon(value)
+                    continue
+                self.host.publish(keys[i], value)
+                self.host.pin(value)
+                out[i] = value
+            elif ok and target is not None:
+                out[i] = target.tobytes()
+            self.hits["disk"] += ok
 
     async def read(self, keys: Sequence[str]
                    ) -> tuple[list[memoryview | bytes | None], Callable[[], None]]:
@@ -412,7 +410,8 @@ class KeyValueStore:
 
     async def _to_disk_behind(self, items: list[tuple[str, Value]]) -> None:
         """Write published host values to disk in the background (pinned until written);
-        past ``WRITE_BEHIND_BYTES`` in flight, before returning."""
+        past ``WRITE_BEHIND_BYTES`` or half of host memory in flight (as the kernel lets dirty
+        pages take a share of memory before a writer waits), before returning."""
         for _, value in items:
             self.host.pin(value)
         nbytes = sum(v.length for _, v in items)
@@ -430,7 +429,7 @@ class KeyValueStore:
                 for _, value in items:
                     self.host.unpin(value)
 
-        if self._disk_behind_bytes > WRITE_BEHIND_BYTES:
+        if self._disk_behind_bytes > max(WRITE_BEHIND_BYTES, self.capacity_bytes // 2):
             await write()
         else:
             task = asyncio.ensure_future(write())
@@ -460,11 +459,6 @@ class KeyValueStore:
         except RemoteTierError as exc:
             log.warning("redis get failed: %s", exc)
             return [None] * len(keys)
-
-
-def _flatten_all(copies: Sequence[tuple[Any, int, Any]]) -> None:
-    for rows, length, target in copies:
-        flatten(rows, length, target)
 
 
 def _fill(host: HostValues, items: list[tuple[Value, bytes]]) -> None:

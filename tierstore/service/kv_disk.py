@@ -37,6 +37,7 @@ import blake3
 import numpy as np
 
 from disk_tier import DiskTier, Recovered, SlotMeta
+from disk_tier.slab import aligned
 from remote_tier.mac import Mac
 from tierstore.settings import mac_secret
 
@@ -51,6 +52,7 @@ KIND = "kv"  # the one slab (the tier's kinds name envelope kinds; values use th
 LAYOUT = "tierstore storage API values v1"  # bound into every header: no page slot reads here
 DEFAULT_CHUNK_BYTES = 256 << 10
 MAX_VALUE_BYTES = (1 << 32) - 1  # the length rides in the header's 32-bit depth
+STAGE_BYTES = 64 << 20  # reads of more slots than this go in several groups
 
 
 def digest(key: str) -> bytes:
@@ -79,6 +81,7 @@ class DiskValues:
         self.tier = DiskTier(path, size_bytes, {KIND: chunk_bytes}, LAYOUT, mac,
                              io_threads=io_threads, direct=direct, weights={KIND: 1.0})
         self._index: OrderedDict[bytes, Entry] = OrderedDict()
+        self._stage: np.ndarray | None = None
         self.evictions = 0
         self.recovered = self._rebuild(self.tier.recovered)
 
@@ -156,29 +159,66 @@ class DiskValues:
         self.evictions += 1
 
     # ------------------------------------------------------------------ reads
-    def get(self, keys: Sequence[bytes]) -> list[tuple[np.ndarray, int] | None]:
-        """Per key its chunks as rows ``[chunks, chunk_bytes]`` (a view into one read buffer)
-        and its length, or None (not on disk, or a chunk failed verification: then the value
-        is dropped)."""
-        want = [(i, self._index[k]) for i, k in enumerate(keys) if k in self._index]
-        out: list[tuple[np.ndarray, int] | None] = [None] * len(keys)
-        if not want:
-            return out
-        slots = [s for _, e in want for s in e.slots]
-        names = [n for _, e in want for n in e.keys]
-        rows, ok = self.tier.read(KIND, slots, names)  # frees the slots that failed
+    def length(self, key: bytes) -> int | None:
+        """The length of ``key``'s value on disk, or None."""
+        entry = self._index.get(key)
+        return None if entry is None else entry.length
+
+    def get_into(self, keys: Sequence[bytes], targets: Sequence[np.ndarray | None]
+                 ) -> list[bool]:
+        """Copy the values of ``keys`` into ``targets`` (uint8 arrays of each value's length;
+        None: skip); per key whether it was there, verified and copied. A value with a chunk
+        that fails verification is dropped. Reads go through one staging buffer, reused, in
+        groups of at most ``STAGE_BYTES`` (a fresh buffer costs a page fault per 4 KiB)."""
+        want = [(i, self._index[k]) for i, (k, t) in enumerate(zip(keys, targets, strict=True))
+                if t is not None and k in self._index and t.size == self._index[k].length]
+        out = [False] * len(keys)
+        slot = self.tier.slot_size[KIND]
+        group: list[tuple[int, Entry]] = []
+        for item in [*want, None]:
+            if item is not None and (not group or (sum(len(e.slots) for _, e in group)
+                                                   + len(item[1].slots)) * slot <= STAGE_BYTES):
+                group.append(item)
+                continue
+            if group:
+                self._read_group(keys, targets, group, out)
+            group = [] if item is None else [item]
+        return out
+
+    def _read_group(self, keys: Sequence[bytes], targets: Sequence[np.ndarray | None],
+                    group: Sequence[tuple[int, Entry]], out: list[bool]) -> None:
+        slots = [s for _, e in group for s in e.slots]
+        names = [n for _, e in group for n in e.keys]
+        # Where each slot's chunk goes: (target, offset, bytes); the tier's workers copy
+        # them out as their runs verify.
+        place: list[tuple[np.ndarray, int, int]] = []
+        for i, entry in group:
+            target = targets[i]
+            assert target is not None
+            place += [(target, j * self.chunk, min(self.chunk, entry.length - j * self.chunk))
+                      for j in range(len(entry.slots))]
+
+        def sink(first: int, rows: np.ndarray, ok: list[bool]) -> None:
+            for k, good in enumerate(ok):
+                target, at, n = place[first + k]
+                if good and n > 0:
+                    target[at:at + n] = rows[k, :n]
+
+        need = len(slots) * self.tier.slot_size[KIND]
+        if self._stage is None or self._stage.nbytes < need:
+            self._stage = aligned(max(need, STAGE_BYTES), zero=False)
+        _, ok = self.tier.read(KIND, slots, names, out=self._stage, sink=sink)  # frees failed
         at = 0
-        for i, entry in want:
+        for i, entry in group:
             n = len(entry.slots)
             good = ok[at:at + n]
             if all(good):
-                out[i] = (rows[at:at + n], entry.length)
+                out[i] = True
                 self._index.move_to_end(keys[i])
             else:
                 del self._index[keys[i]]
                 self.tier.free(KIND, [s for s, g in zip(entry.slots, good, strict=True) if g])
             at += n
-        return out
 
     # ------------------------------------------------------------------ restart
     def _rebuild(self, recovered: Sequence[Recovered]) -> int:
@@ -250,13 +290,3 @@ def open_disk(config: ServiceConfig) -> DiskValues | None:
     secret = config.kv_disk_mac_key if config.kv_disk_mac_key is not None else mac_secret()
     return DiskValues(config.kv_disk_path, config.kv_disk_bytes, Mac(secret),
                       chunk_bytes=config.kv_disk_chunk_bytes)
-
-
-def flatten(rows: np.ndarray, length: int, out: np.ndarray) -> None:
-    """Copy a value's chunk rows (from :meth:`DiskValues.get`) into ``out`` (``length``
-    bytes)."""
-    chunk = rows.shape[1]
-    for j in range(rows.shape[0]):
-        part = out[j * chunk:(j + 1) * chunk]
-        part[:] = rows[j, :part.size]
-    assert out.size == length, f"{out.size} bytes out for a {length}-byte value"
