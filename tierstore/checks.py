@@ -59,6 +59,8 @@ def blocks(kind: str, kinds: Sequence[str], value: object, unit_bytes: int | Non
         return None
     if kind not in kinds:
         raise ShapeError(f"this layout has no {kind!r} envelopes; kinds: {tuple(kinds)}")
+    if isinstance(value, torch.Tensor) and value.dtype == torch.long and value.dim() == 1:
+        return value  # ids as allocate returns them
     if isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and unit_bytes:
         data = value.reshape(1, -1) if value.dim() == 1 else value
         if data.dim() != 2 or data.shape[1] != unit_bytes:
@@ -102,16 +104,19 @@ def owned_ids(kind: str, given: list[int], ledger: Ledger, path: list[Segment],
               n_pages: int) -> None:
     """Ids given to an insert must be the caller's (handed out by ``allocate``) or the ids
     the cache already has at those very pages (from a match)."""
-    if len(set(given)) != len(given):
+    distinct = set(given)
+    if len(distinct) != len(given):
         raise ShapeError(f"{kind}: repeated ids")
     handed = ledger.handed[kind]
-    foreign = [i for i in given if i not in handed]
-    if not foreign:
+    if handed.issuperset(distinct):  # the common case: ids fresh from allocate
         return
+    foreign = [i for i in given if i not in handed]
     here = set()
-    if kind == CHECKPOINT:
-        if path and path[-1].pages == len(path[-1].node.keys):
-            here.add(path[-1].node.checkpoint(Tier.L1))
+    if kind == CHECKPOINT:  # the cached checkpoint at exactly this prefix's end
+        last = path[-1] if path else None
+        if (last is not None and last.pages == len(last.node.keys)
+                and last.node.end == n_pages):
+            here.add(last.node.checkpoint(Tier.L1))
     else:
         offset, pos = n_pages - len(given), 0
         for seg in path:

@@ -83,9 +83,19 @@ def as_tokens(tokens: object) -> np.ndarray:
         raise TokenError(f"token ids must be a 1-D integer array, got {arr.dtype} {arr.shape}")
     if arr.dtype == np.uint32:
         return arr.astype("<u4", copy=False)
-    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > _UINT32_MAX):
+    if arr.size and _out_of_range(arr):
         raise TokenError(f"token ids must be in [0, 2**32), got range [{arr.min()}, {arr.max()}]")
     return arr.astype("<u4")
+
+
+def _out_of_range(arr: np.ndarray) -> bool:
+    """Whether an integer array holds an id outside ``[0, 2**32)``: one reduction for 64-bit
+    ids (viewed unsigned, a negative one is above the range too)."""
+    if arr.dtype.itemsize == 8:
+        return int(arr.view(arr.dtype.str.replace("i", "u")).max()) > _UINT32_MAX
+    if arr.dtype.kind == "i":
+        return int(arr.min()) < 0
+    return False  # unsigned, at most 32 bits
 
 
 class PageHasher:

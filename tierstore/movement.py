@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from tierstore import rule
 from tierstore.eviction import StopCondition, victims
 from tierstore.prefetch import Entry, Prefetcher
 from tierstore.radix import ABSENT, CHAIN, CHECKPOINT, PAGE_KINDS, TIER_NAMES, Node, Segment, Tier
@@ -225,6 +226,9 @@ class Mover:
         window = self.layout.swa_window_pages()
         wanted: dict[str, list[Entry]] = {k: [] for k in self.kinds}
         sources = {1: 0, 2: 0, 3: 0, 4: 0} if self.disk is not None else {1: 0, 2: 0, 3: 0}
+        if self._all_in_l1(path, pages, window):  # the common hit: nothing to bring up
+            sources[1] = pages
+            return wanted, sources
         pos = 0
         for seg in path:
             n = seg.node
@@ -247,6 +251,16 @@ class Mover:
             if tier >= 2:
                 wanted[CHECKPOINT].append((end, 0, tier))
         return wanted, sources
+
+    def _all_in_l1(self, path: list[Segment], pages: int, window: int) -> bool:
+        """Whether L1 holds all a prefix of ``pages`` pages needs (its KV, its SWA window and
+        any checkpoint at its end that a lower tier holds)."""
+        if not rule.in_l1(path, pages, "kv"):
+            return False
+        if "swa" in self.page_kinds and not rule.in_l1(path, pages, "swa", pages - window):
+            return False
+        return "state" not in self.kinds or not path or _source(path[-1].node, CHECKPOINT,
+                                                                 0) < 2
 
     def promote(self, path: list[Segment], pages: int, timeout: float | None
                 ) -> tuple[str, dict[int, int]]:

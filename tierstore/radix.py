@@ -285,10 +285,23 @@ class RadixIndex:
         parent.children[keys[0]] = leaf
         self.num_nodes += 1
         self.num_pages += len(keys)
-        for kind, values in (entries or {}).items():
-            assert len(values) == len(keys), f"{kind}: {len(values)} entries, {len(keys)} pages"
-            self.set_many(leaf, tier, kind, range(len(keys)), values)
+        if entries:
+            self.fill(leaf, tier, entries)
         return leaf
+
+    def fill(self, node: Node, tier: int, entries: dict[str, list[int]]) -> None:
+        """Record whole columns ({kind: per-page entries, each >= 0 or ABSENT}) of a node that
+        holds no page entry in ``tier`` yet (a new leaf): one count update, not one per page."""
+        t = tier - 1
+        pages, held = node._pages[t], 0
+        for kind, values in entries.items():
+            assert len(values) == len(node.keys), \
+                f"{kind}: {len(values)} entries, {len(node.keys)} pages"
+            assert pages[kind].count(ABSENT) == len(values), f"{kind}: the column is not empty"
+            pages[kind] = list(values)
+            held += len(values) - values.count(ABSENT)
+        if held:
+            self._count(node, t, held)
 
     def remove_leaf(self, node: Node) -> None:
         """Detach an unlocked leaf that holds nothing (its ids were handed back)."""

@@ -84,7 +84,8 @@ class Allocation:
     blocks: dict[str, torch.Tensor]
 
     def __getitem__(self, kind: str) -> torch.Tensor:
-        return self.blocks.get(kind, torch.empty(0, dtype=torch.long))
+        ids = self.blocks.get(kind)
+        return torch.empty(0, dtype=torch.long) if ids is None else ids
 
 
 @dataclass(frozen=True)

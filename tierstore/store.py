@@ -11,14 +11,15 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from array import array
 from collections.abc import Mapping, Sequence
 
 import torch
 
 from gpu_arena import Arena, Fence, IntegrityError, PoolSpec
 from host_tier import HostTier
-from tierstore import checks
-from tierstore.attribution import Attribution, Explanation, explain, settle
+from tierstore import checks, rule
+from tierstore.attribution import Explanation, attribution_for
 from tierstore.checks import Blocks
 from tierstore.config import StoreConfig
 from tierstore.disk import DiskBridge
@@ -27,6 +28,7 @@ from tierstore.eviction import make_policy
 from tierstore.hashing import PageHasher, check_namespace
 from tierstore.layout import ModelLayout
 from tierstore.ledger import Ledger
+from tierstore.link import link
 from tierstore.movement import Mover
 from tierstore.mrc import shadow_for
 from tierstore.radix import CHECKPOINT, TIER_NAMES, Node, RadixIndex, Segment, Tier
@@ -86,13 +88,15 @@ class TierStore:
         self._near: tuple[int, ...] = (1, 2, 4) if self.disk else (1, 2)
         if self.disk is not None:  # what a previous run left on disk hits again
             self.disk.rebuild(self.index, self.disk.tier.recovered)
-        self.attribution = Attribution()  # why matches missed; its ghost hears of drops
-        self.mover.on_drop = self.attribution.ghost.add
+        # Why matches missed (its ghost hears of drops); a null object when switched off.
+        self.attribution = attribution_for(layout, config.attribution)
+        self.mover.on_drop = self.attribution.on_drop
         retention = config.swa_retention
         if retention == "auto":
             retention = "window" if layout.state is not None else "all"
         self._swa_window_only = retention == "window"
         self._tick = 0
+        self._window = layout.swa_window_pages()
         # What 0.5x-4x of each tier would hit.
         self.mrc = shadow_for(config, layout, swa_window_only=self._swa_window_only)
 
@@ -143,17 +147,22 @@ class TierStore:
                 prefetch.prefetch(keys, deeper)
         why: Explanation | None = None
         plans: list[tuple[int, str]] = []  # (pages planned, promotion status) per try
-        for _ in range(4):
-            path = self.index.walk(keys)
+        path = self.index.walk(keys)
+        found = 0
+        for attempt in range(4):
+            if attempt:  # the failed try changed the index (splits, absent marks)
+                path = self.index.walk(keys)
             pages, found = self._usable(path, tiers)
             if why is None:  # before promotion splits or prunes what the walk saw
                 why = self._explain(path, keys, pages if full is None else full)
             if pages == 0:
                 plans.append((0, "none"))
                 break
-            node = self.index.node_ending_at(_cut(path, pages))
+            path = rule.cut(path, pages)
+            node = self.index.node_ending_at(path)
+            if path[-1].node is not node:  # split: the cut's last node is now the upper part
+                path[-1] = Segment(node, path[-1].pages)
             self.index.lock(node, +1)
-            path = self.index.walk(keys[:pages])
             status, sources = self.mover.promote(path, pages, timeout)
             plans.append((pages, status))
             if status == "ok":
@@ -166,27 +175,23 @@ class TierStore:
             elif status == "unavailable":  # Redis is down or slow: serve L1 + L2 this time
                 tiers = near
             # "partial": entries missing in L3 are now marked absent there; plan again
+        else:  # four failed tries: what the tiers serve now
+            _, found = self._usable(self.index.walk(keys), tiers)
         self.ledger.miss()
-        _, found = self._usable(self.index.walk(keys), tiers)
         assert why is not None, "the match loop runs at least once"
         lost, evicted = self._settle(namespace, len(toks), keys, why, plans, 0, {})
         return MatchResult(0, 0, _EMPTY, _EMPTY, None, None, found, {}, lost, evicted)
 
     def _explain(self, path: list[Segment], keys: list[bytes], full: int) -> Explanation:
-        layout = self.layout
-        return explain(path, keys, full, layout.page_size, state=layout.state is not None,
-                       swa=layout.swa is not None, ghost=self.attribution.ghost)
+        return self.attribution.explain(path, keys, full)
 
     def _settle(self, namespace: str, n_tokens: int, keys: list[bytes], why: Explanation,
                 plans: list[tuple[int, str]], pages: int, sources: dict[int, int]
                 ) -> tuple[dict[str, int], dict[str, int]]:
         """Lost tokens by reason (and evicted ones by tier) of a match serving ``pages``;
         counted in the store's attribution totals."""
-        page = self.layout.page_size
-        lost, evicted = settle(why, plans, pages, page, n_tokens - len(keys) * page)
-        hits = {TIER_NAMES[t]: n * page for t, n in sources.items()}
-        self.attribution.record(namespace, n_tokens, hits, lost, evicted, why, page)
-        return lost, evicted
+        return self.attribution.settle(namespace, n_tokens, len(keys), why, plans, pages,
+                                       sources)
 
     def _hit(self, node: Node, path: list[Segment], pages: int, found: int,
              sources: dict[int, int], priority: int,
@@ -199,13 +204,11 @@ class TierStore:
             for n in self.index.path_to(node):
                 if n.hits == self.config.write_through_hits:
                     self.mover.backup(n)
-        kv = [v for seg in path for v in seg.node.ids(Tier.L1, "kv")[: seg.pages]]
-        swa = [v for seg in path for v in seg.node.ids(Tier.L1, "swa")[: seg.pages]]
         state = node.checkpoint(Tier.L1) if self.layout.state is not None else None
         tiers = {TIER_NAMES[t]: n * page for t, n in sources.items()}
-        return MatchResult(pages * page, pages, torch.tensor(kv, dtype=torch.long),
-                           torch.tensor(swa, dtype=torch.long), state, Lease(node, self), found,
-                           tiers, *lost)
+        return MatchResult(pages * page, pages, rule.l1_ids(path, "kv"),
+                           rule.l1_ids(path, "swa"), state, Lease(node, self), found, tiers,
+                           *lost)
 
     def read_prefix(self, tokens: object, namespace: str = "default") -> PrefixRead:
         """:meth:`match`, then the matched rows pinned for reading (see
@@ -247,32 +250,9 @@ class TierStore:
     def _usable(self, path: list[Segment], tiers: Sequence[int]) -> tuple[int, int]:
         """Deepest prefix length (pages) the hybrid match rule accepts, and the consecutive KV
         pages present; an entry counts as present when one of ``tiers`` holds it."""
-        def present(kind: str) -> list[bool]:
-            out: list[bool] = []
-            for seg in path:
-                cols = [seg.node.ids(t, kind) for t in tiers]
-                out += [any(c[j] >= 0 for c in cols) for j in range(seg.pages)]
-            return out
-
-        kv = present("kv")
-        found = next((i for i, ok in enumerate(kv) if not ok), len(kv))
-        swa = present("swa") if self.layout.swa is not None else []
-        window = self.layout.swa_window_pages()
-
-        def window_ok(end: int) -> bool:
-            return self.layout.swa is None or all(swa[max(0, end - window):end])
-
-        if self.layout.state is not None:
-            for seg in reversed(path):
-                n = seg.node
-                if (seg.pages == len(n.keys) and n.end <= found
-                        and any(n.checkpoint(t) >= 0 for t in tiers) and window_ok(n.end)):
-                    return n.end, found
-            return 0, found
-        end = found
-        while end > 0 and not window_ok(end):
-            end -= 1
-        return end, found
+        layout = self.layout
+        return rule.usable(path, tiers, swa=layout.swa is not None,
+                           state=layout.state is not None, window=self._window)
 
     def demote_idle(self, idle_s: float) -> int:
         """Demote from L1 every unlocked prefix unused for ``idle_s`` seconds (to L2 / L3 when
@@ -299,10 +279,10 @@ class TierStore:
             return None
         blocks = {}
         for kind, n in demand.items():
-            ids = self.arena.alloc(kind, n)
+            ids = self.arena.alloc_ids(kind, n)
             assert ids is not None, f"can_alloc promised {demand}, {kind} failed"
-            blocks[kind] = ids
-            self.ledger.hand_out(kind, ids.tolist())
+            blocks[kind] = torch.frombuffer(array("q", ids), dtype=torch.long)
+            self.ledger.hand_out(kind, ids)
         return Allocation(blocks)
 
     def free(self, kind: str, ids: Blocks) -> None:
@@ -363,7 +343,19 @@ class TierStore:
             assert data is not None
             ids = self._store_bytes(kind, data, mask)
             lists[kind] = ids if kind != CHECKPOINT or ids[0] >= 0 else None
-        result, end = self._link(keys, path, lists, n_pages, cached, priority)
+        done = link(self.index, keys, path, lists, n_pages, cached,
+                    window=self._window if self._swa_window_only else None,
+                    touch=functools.partial(self._touch, priority=priority, hit=False))
+        end, spare = done.end, done.spare
+        for kind in self.kinds:
+            if done.kept[kind]:
+                self.ledger.adopt(kind, done.kept[kind])
+            if spare[kind]:  # the caller's (owned_ids checked it): free without re-checking
+                self.ledger.spare(kind, spare[kind])
+                self.arena.free_owned(kind, spare[kind])
+        duplicates = sum(len(v) for v in spare.values()) - done.dropped
+        result = InsertResult(True, n_pages - cached, cached, done.checkpoint, duplicates,
+                              done.dropped)
         self.mrc.insert(keys, lists["state"] is not None)
         if self.config.write_policy == "write_through" and end is not self.index.root:
             for node in self.index.path_to(end):
@@ -384,75 +376,6 @@ class TierStore:
             out = [next(fresh_ids) if n else -1 for n in need]
             self.ledger.hand_out(kind, (i for i in out if i >= 0))
         return out
-
-    def _link(self, keys: list[bytes], path: list[Segment], given: dict[str, list[int] | None],
-              n_pages: int, cached: int, priority: int) -> tuple[InsertResult, Node]:
-        """Hang the given ids into the tree; those the cache keeps pass from the caller to the
-        cache, the others are freed. Returns the result and the node ending at the prefix."""
-        index, l1 = self.index, Tier.L1
-        kv_ids, swa_ids = _padded(given["kv"], n_pages), _padded(given["swa"], n_pages)
-        state_ids = given["state"]
-        end = index.node_ending_at(path)
-        path = index.walk(keys[:cached])  # a split above re-cut the last node
-        # A hybrid match can only end at a checkpoint: SWA pages outside the window before one
-        # are never read, so (with window retention) they are not kept.
-        has_checkpoint = state_ids is not None or (cached == n_pages
-                                                   and end.checkpoint(l1) >= 0)
-        keep_from = 0
-        if self._swa_window_only:
-            keep_from = n_pages - self.layout.swa_window_pages() if has_checkpoint else n_pages
-        kept: dict[str, list[int]] = {k: [] for k in KINDS}
-        spare: dict[str, list[int]] = {k: [] for k in KINDS}
-        dropped = 0
-        pos = 0
-        for seg in path:  # pages already cached keep the cache's ids; SWA tombstones refill
-            n = seg.node
-            kv_col, swa_col = n.ids(l1, "kv"), n.ids(l1, "swa")
-            for j in range(seg.pages):
-                p = pos + j
-                kid, sid = kv_ids[p], swa_ids[p]
-                if kid >= 0:
-                    if kv_col[j] < 0:  # cached elsewhere or lost: take it
-                        index.set(n, l1, "kv", j, kid)
-                        kept["kv"].append(kid)
-                    elif kid != kv_col[j]:
-                        spare["kv"].append(kid)
-                if sid >= 0 and sid != swa_col[j]:
-                    if swa_col[j] < 0 and p >= keep_from:
-                        index.set(n, l1, "swa", j, sid)
-                        kept["swa"].append(sid)
-                    else:
-                        spare["swa"].append(sid)
-            pos += seg.pages
-        if cached < n_pages:
-            new_kv, new_swa = kv_ids[cached:], swa_ids[cached:]
-            for i, sid in enumerate(new_swa):
-                if sid >= 0 and cached + i < keep_from:
-                    spare["swa"].append(sid)
-                    new_swa[i] = -1
-                    dropped += 1
-            end = index.extend(end, keys[cached:], {"kv": new_kv, "swa": new_swa})
-            kept["kv"] += [i for i in new_kv if i >= 0]
-            kept["swa"] += [i for i in new_swa if i >= 0]
-        checkpoint = False
-        if state_ids is not None:
-            sid = state_ids[0]
-            if end.checkpoint(l1) < 0:
-                index.set(end, l1, CHECKPOINT, 0, sid)
-                kept[CHECKPOINT].append(sid)
-                checkpoint = True
-            elif end.checkpoint(l1) != sid:
-                spare[CHECKPOINT].append(sid)
-        for kind in self.kinds:
-            if kept[kind]:
-                self.ledger.adopt(kind, kept[kind])
-            if spare[kind]:
-                self.ledger.spare(kind, spare[kind])
-                self.arena.free(kind, spare[kind])
-        self._touch(end, priority, hit=False)
-        duplicates = sum(len(v) for v in spare.values()) - dropped
-        result = InsertResult(True, n_pages - cached, cached, checkpoint, duplicates, dropped)
-        return result, end
 
     # ============================================================= inspection
     def stats(self) -> StoreStats:
@@ -513,21 +436,3 @@ def _named(index: RadixIndex, tier: int, kinds: Sequence[str]) -> dict[str, list
             else:
                 out[kind] += [v for v in n.ids(tier, kind) if v >= 0]
     return out
-
-
-def _cut(path: list[Segment], pages: int) -> list[Segment]:
-    """The first ``pages`` pages of ``path``."""
-    out, left = [], pages
-    for seg in path:
-        if left <= 0:
-            break
-        out.append(Segment(seg.node, min(seg.pages, left)))
-        left -= seg.pages
-    return out
-
-
-def _padded(ids: list[int] | None, n_pages: int) -> list[int]:
-    """Per-page ids for pages ``[0, n_pages)``; given ids cover the trailing pages."""
-    if ids is None:
-        return [-1] * n_pages
-    return [-1] * (n_pages - len(ids)) + ids

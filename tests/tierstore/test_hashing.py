@@ -47,6 +47,20 @@ def test_token_inputs_agree_and_bad_ones_are_named() -> None:
             as_tokens(bad)
 
 
+@pytest.mark.parametrize("dtype", ["<i8", ">i8", "<u8", ">u8", "<i4", ">i4", "<i2", "<u2"])
+def test_token_range_is_checked_in_every_integer_dtype(dtype: str) -> None:
+    info = np.iinfo(np.dtype(dtype))
+    ok = np.array([0, 7, min(info.max, 2**32 - 1)], dtype=dtype)
+    assert as_tokens(ok).tolist() == [0, 7, min(info.max, 2**32 - 1)]
+    for bad in (-1, 2**32, info.min, info.max):
+        if 0 <= bad < 2**32 or not info.min <= bad <= info.max:
+            continue
+        with pytest.raises(TokenError):
+            as_tokens(np.array([5, bad, 6], dtype=dtype))
+        with pytest.raises(TokenError):  # strided views are checked too
+            as_tokens(np.array([5, 1, bad, 2], dtype=dtype)[::2])
+
+
 @pytest.mark.parametrize("ns", ["", "-lead", "a b", "x" * 129, 7, None])
 def test_bad_namespaces_raise(ns: object) -> None:
     with pytest.raises(NamespaceError):

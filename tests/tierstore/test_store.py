@@ -250,6 +250,22 @@ def test_cache_ids_cannot_be_stolen_by_another_prefix(hybrid: TierStore) -> None
     hybrid.check_integrity()
 
 
+def test_a_cached_checkpoint_cannot_be_given_to_a_longer_prefix(hybrid: TierStore) -> None:
+    # The checkpoint the cache holds at 8 tokens is the caller's to pass back only for an
+    # insert ending at those 8 tokens; at 12 it would name one block at two nodes.
+    put(hybrid, toks(8))
+    m = hybrid.match(toks(8))
+    assert m.state is not None
+    more = hybrid.allocate({"kv": 1, "swa": 1})
+    assert more is not None
+    with pytest.raises(ShapeError, match="other cached pages"):
+        hybrid.insert(toks(12), kv=more["kv"], swa=more["swa"], state=m.state)
+    again = hybrid.insert(toks(8), kv=m.kv, swa=m.swa, state=m.state)  # its own end: fine
+    assert again.stored and again.duplicates_freed == 0
+    hybrid.release(m.lease)  # type: ignore[arg-type]
+    hybrid.check_integrity()
+
+
 @pytest.mark.parametrize("device", ["gpu", "cuda:x", "xla"])
 def test_bad_device_is_a_config_error(device: str) -> None:
     from tierstore.config import StoreConfig

@@ -1,0 +1,110 @@
+"""Linking an insert's blocks into the index: which given ids the cache keeps, which it
+frees as duplicates, and which SWA pages it drops outside the window.
+
+The store checks ownership first (:func:`tierstore.checks.owned_ids`); this module only
+records residency through the index and says what changed hands. Pages before the first
+given id are skipped whole (an engine gives only the pages its request computed), and a new
+leaf's entries are set as whole columns once it has been touched, so it joins the eviction
+queue once, at its final place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+from tierstore.radix import ABSENT, CHECKPOINT, Node, RadixIndex, Segment, Tier
+
+
+class Linked(NamedTuple):
+    """What an insert's linking did: the node ending at the prefix, the given ids the cache
+    kept and those it did not (to free) per kind, SWA pages dropped outside the window, and
+    whether the checkpoint was kept."""
+
+    end: Node
+    kept: dict[str, list[int]]
+    spare: dict[str, list[int]]
+    dropped: int
+    checkpoint: bool
+
+
+def link(index: RadixIndex, keys: list[bytes], path: list[Segment],
+         given: dict[str, list[int] | None], n_pages: int, cached: int, *,
+         window: int | None, touch: Callable[[Node], None]) -> Linked:
+    """Hang the given L1 ids (per kind; ``kv``/``swa`` cover the trailing pages, ``state``
+    is one checkpoint) into the tree along ``path`` (the walk of ``keys``, ``cached`` pages
+    long), and ``touch`` the node ending at the prefix. ``window``: SWA pages kept before a
+    checkpoint (None: all of them)."""
+    l1 = Tier.L1
+    kv_given, swa_given, state_ids = given["kv"], given["swa"], given["state"]
+    kv_ids, swa_ids = _padded(kv_given, n_pages), _padded(swa_given, n_pages)
+    end = index.node_ending_at(path)
+    if path and path[-1].node is not end:  # split: the path's last node is the upper part
+        path = [*path[:-1], Segment(end, path[-1].pages)]
+    # A hybrid match can only end at a checkpoint: SWA pages outside the window before one
+    # are never read, so (with window retention) they are not kept.
+    keep_from = 0
+    if window is not None:
+        has_checkpoint = state_ids is not None or (cached == n_pages
+                                                   and end.checkpoint(l1) >= 0)
+        keep_from = n_pages - window if has_checkpoint else n_pages
+    kept: dict[str, list[int]] = {"kv": [], "swa": [], CHECKPOINT: []}
+    spare: dict[str, list[int]] = {"kv": [], "swa": [], CHECKPOINT: []}
+    dropped = 0
+    first = n_pages - max(len(kv_given or ()), len(swa_given or ()))  # first given page
+    pos = 0
+    for seg in path:  # pages already cached keep the cache's ids; SWA tombstones refill
+        n = seg.node
+        if pos + seg.pages <= first:
+            pos += seg.pages
+            continue
+        kv_col, swa_col = n.ids(l1, "kv"), n.ids(l1, "swa")
+        for j in range(max(0, first - pos), seg.pages):
+            p = pos + j
+            kid, sid = kv_ids[p], swa_ids[p]
+            if kid >= 0:
+                if kv_col[j] < 0:  # cached elsewhere or lost: take it
+                    index.set(n, l1, "kv", j, kid)
+                    kept["kv"].append(kid)
+                elif kid != kv_col[j]:
+                    spare["kv"].append(kid)
+            if sid >= 0 and sid != swa_col[j]:
+                if swa_col[j] < 0 and p >= keep_from:
+                    index.set(n, l1, "swa", j, sid)
+                    kept["swa"].append(sid)
+                else:
+                    spare["swa"].append(sid)
+        pos += seg.pages
+    touched = False
+    if cached < n_pages:
+        new_kv, new_swa = kv_ids[cached:], swa_ids[cached:]
+        for i in range(min(len(new_swa), keep_from - cached)):
+            if new_swa[i] >= 0:
+                spare["swa"].append(new_swa[i])
+                new_swa[i] = ABSENT
+                dropped += 1
+        end = index.extend(end, keys[cached:])
+        touch(end)  # before its entries: the leaf is queued once, already re-keyed
+        touched = True
+        index.fill(end, l1, {"kv": new_kv, "swa": new_swa})
+        kept["kv"] += new_kv if ABSENT not in new_kv else [i for i in new_kv if i >= 0]
+        kept["swa"] += new_swa if ABSENT not in new_swa else [i for i in new_swa if i >= 0]
+    checkpoint = False
+    if state_ids is not None:
+        sid = state_ids[0]
+        if end.checkpoint(l1) < 0:
+            index.set(end, l1, CHECKPOINT, 0, sid)
+            kept[CHECKPOINT].append(sid)
+            checkpoint = True
+        elif end.checkpoint(l1) != sid:
+            spare[CHECKPOINT].append(sid)
+    if not touched:
+        touch(end)
+    return Linked(end, kept, spare, dropped, checkpoint)
+
+
+def _padded(ids: list[int] | None, n_pages: int) -> list[int]:
+    """Per-page ids for pages ``[0, n_pages)``; given ids cover the trailing pages."""
+    if ids is None:
+        return [ABSENT] * n_pages
+    return [ABSENT] * (n_pages - len(ids)) + ids

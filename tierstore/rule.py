@@ -1,0 +1,129 @@
+"""The hybrid match rule over an index walk, as plain functions of the path.
+
+A prefix of P pages is usable when every ``kv`` page of it is present in some allowed tier,
+a state checkpoint sits at exactly P (layouts with recurrent layers), and the ``swa`` pages
+of the window before P are present (layouts with sliding-window layers).
+
+Presence is read per segment with C-level list operations (``ABSENT in column``): when L1
+holds a segment whole, which is the common case, the segment costs a slice and a scan, not
+a Python step per page. Entries are ``>= 0`` or exactly ``ABSENT`` (the index keeps them so;
+:meth:`RadixIndex.check_integrity` checks it).
+"""
+
+from __future__ import annotations
+
+from array import array
+from bisect import bisect_left
+from collections.abc import Sequence
+
+import torch
+
+from tierstore.radix import ABSENT, Segment, Tier
+
+_EMPTY = torch.empty(0, dtype=torch.long)
+
+
+def usable(path: Sequence[Segment], tiers: Sequence[int], *, swa: bool, state: bool,
+           window: int) -> tuple[int, int]:
+    """Deepest prefix length (pages) the hybrid rule accepts on ``path``, and the consecutive
+    KV pages present; an entry counts as present when one of ``tiers`` holds it. Changes
+    nothing."""
+    found = first_absent(path, tiers, "kv")
+    gaps = absent_before(path, tiers, "swa", found) if swa else []
+
+    def window_ok(end: int) -> bool:  # no SWA gap in [end - window, end)
+        i = bisect_left(gaps, end - window)
+        return i == len(gaps) or gaps[i] >= end
+
+    if state:
+        for seg in reversed(path):
+            n = seg.node
+            if (seg.pages == len(n.keys) and n.end <= found
+                    and any(n.checkpoint(t) >= 0 for t in tiers) and window_ok(n.end)):
+                return n.end, found
+        return 0, found
+    # The deepest end <= found whose window holds no gap: every end in (gap, end] has the
+    # largest gap below it in its window, so the next candidate is that gap itself.
+    end, i = found, len(gaps)
+    while end > 0 and i and gaps[i - 1] >= end - window:
+        end = gaps[i - 1]
+        i -= 1
+    return end, found
+
+
+def first_absent(path: Sequence[Segment], tiers: Sequence[int], kind: str) -> int:
+    """Position of the first page on ``path`` whose ``kind`` entry no tier of ``tiers``
+    holds (the path's length when every page is held)."""
+    pos = 0
+    l1 = Tier.L1 in tiers
+    for seg in path:
+        n, p = seg.node, seg.pages
+        if l1:
+            col = n.ids(Tier.L1, kind)
+            if ABSENT not in (col if p == len(col) else col[:p]):
+                pos += p
+                continue
+        cols = [n.ids(t, kind) for t in tiers]
+        for j in range(p):
+            if not any(c[j] >= 0 for c in cols):
+                return pos + j
+        pos += p
+    return pos
+
+
+def absent_before(path: Sequence[Segment], tiers: Sequence[int], kind: str, limit: int
+                  ) -> list[int]:
+    """Ascending positions below ``limit`` on ``path`` whose ``kind`` entry no tier of
+    ``tiers`` holds."""
+    out: list[int] = []
+    pos = 0
+    l1 = Tier.L1 in tiers
+    for seg in path:
+        if pos >= limit:
+            break
+        n, p = seg.node, min(seg.pages, limit - pos)
+        if l1:
+            col = n.ids(Tier.L1, kind)
+            if ABSENT not in (col if p == len(col) else col[:p]):
+                pos += p
+                continue
+        cols = [n.ids(t, kind) for t in tiers]
+        out += [pos + j for j in range(p) if not any(c[j] >= 0 for c in cols)]
+        pos += p
+    return out
+
+
+def in_l1(path: Sequence[Segment], pages: int, kind: str, start: int = 0) -> bool:
+    """Whether L1 holds the ``kind`` entry of every page in ``[start, pages)`` of ``path``."""
+    pos = 0
+    for seg in path:
+        if pos >= pages:
+            break
+        lo, hi = max(0, start - pos), min(seg.pages, pages - pos)
+        if lo < hi:
+            col = seg.node.ids(Tier.L1, kind)
+            if ABSENT in (col if lo == 0 and hi == len(col) else col[lo:hi]):
+                return False
+        pos += seg.pages
+    return True
+
+
+def cut(path: Sequence[Segment], pages: int) -> list[Segment]:
+    """The first ``pages`` pages of ``path``."""
+    out, left = [], pages
+    for seg in path:
+        if left <= 0:
+            break
+        out.append(Segment(seg.node, min(seg.pages, left)))
+        left -= seg.pages
+    return out
+
+
+def l1_ids(path: Sequence[Segment], kind: str) -> torch.Tensor:
+    """The L1 entries of ``kind`` along ``path`` as a long tensor (built from a C array: a
+    ``torch.tensor`` of a list costs several times more)."""
+    ids = array("q")
+    for seg in path:
+        col = seg.node.ids(Tier.L1, kind)
+        ids.extend(col if seg.pages == len(col) else col[: seg.pages])
+    return torch.frombuffer(ids, dtype=torch.long) if ids else _EMPTY
