@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import heapq
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
+from gpu_arena.holes import HoleHeap
 from gpu_arena.spec import IntegrityError, PoolSpec
 
 _LONG = torch.long
@@ -77,11 +77,10 @@ class Pool:
         self.changed: list[torch.Tensor] | None = None
         self.num_changed = 0
         self.fenced_refs = 0  # (slot, fence) pairs pending: 0 lets hot paths skip fence checks
-        # Slots that may be holes, as a heap nearest the anchor first (negated for the high
-        # anchor). Every hole is in it; stale entries (taken, fenced, outside the band,
-        # repeated) are dropped when they surface, so finding n holes costs O(n log h), not a
-        # scan of the band.
-        self._hole_heap: list[int] = []
+        # Slots that may be holes, nearest the anchor first: finding n holes costs about n
+        # entries, not a scan of the band.
+        self._holes = HoleHeap(self.anchor == "high", self.owner_np, self._readers_np,
+                               self._writers_np)
 
     # ----------------------------------------------------------------- queries
     @property
@@ -129,64 +128,16 @@ class Pool:
         """Up to ``n`` reusable slots of ``[lo, hi)`` (inside the band) nearest the anchor,
         taken off the hole heap. Entries met on the way that are stale or outside ``[lo, hi)``
         are dropped: the caller re-cuts the band to ``[lo, hi)`` or it already is that."""
-        heap = self._hole_heap
-        found: list[int] = []
-        if n <= 0 or not heap:
-            return found
-        if len(heap) <= 2 * n + 32:
-            # Most of the heap is wanted (a request reusing what an eviction just freed): one
-            # sort, then a prefix. A sorted list is a heap, and so is what follows the prefix.
-            heap.sort()
-            entries: Iterable[int] = heap
-        else:
-            entries = _popping(heap)
-        sign = -1 if self.anchor == "high" else 1
-        owner, readers, writers = self._owner_mv, self._readers_mv, self._writers_mv
-        fenced = self.fenced_refs
-        last, used, left = None, 0, n
-        for entry in entries:
-            used += 1
-            slot = sign * entry
-            if slot == last:  # a repeated entry: equal entries come one after another
-                continue
-            last = slot
-            if lo <= slot < hi and owner[slot] < 0 and not (
-                    fenced and (readers[slot] > 0 or writers[slot] > 0)):
-                found.append(slot)
-                left -= 1
-                if not left:
-                    break
-        if entries is heap:
-            del heap[:used]
+        found, used = self._holes.take(lo, hi, n, bool(self.fenced_refs))
         self.visited += used
         return found
 
     def _add_holes(self, slots: Sequence[int]) -> None:
         """Remember ``slots`` as possible holes (validated when they surface)."""
-        heap = self._hole_heap
-        if len(heap) > 4 * (self.num_holes + len(slots)) + self.sweep_slack:
-            self._sweep_heap()  # mostly stale: drop the stale entries (amortised O(1))
-        entries = [-s for s in slots] if self.anchor == "high" else slots
-        if len(heap) <= 4 * len(entries):  # a small heap: one C heapify beats k pushes
-            heap.extend(entries)
-            heapq.heapify(heap)
-        else:
-            push = heapq.heappush
-            for entry in entries:
-                push(heap, entry)
-
-    def _sweep_heap(self) -> None:
-        """Keep only the heap's entries that are holes now: a pass over the heap (which holds
-        every hole), not a scan of the band."""
-        sign = -1 if self.anchor == "high" else 1
-        entries = _distinct(np.asarray(self._hole_heap, dtype=np.int64) * sign)
-        self.visited += len(self._hole_heap)
-        entries = entries[(entries >= self.lo) & (entries < self.hi)]
-        entries = entries[~self._occupied_at(entries)]
-        # In place: a caller holding the list (a push right after the sweep) must not push
-        # into a list the pool no longer reads, or the pushed holes are lost.
-        self._hole_heap[:] = (entries * sign).tolist()
-        heapq.heapify(self._hole_heap)
+        if len(self._holes) > 4 * (self.num_holes + len(slots)) + self.sweep_slack:
+            # Mostly stale: drop the stale entries (amortised O(1) per stale entry).
+            self.visited += self._holes.sweep(self.lo, self.hi, bool(self.fenced_refs))
+        self._holes.add(slots)
 
     def live_in(self, lo: int, hi: int) -> np.ndarray:
         """Slots of ``[lo, hi)`` holding a live block, in slot order (visits those slots)."""
@@ -385,13 +336,6 @@ class Pool:
             live |= (self._readers_np[lo:hi] > 0) | (self._writers_np[lo:hi] > 0)
         return live
 
-    def _occupied_at(self, slots: np.ndarray) -> np.ndarray:
-        """Whether each of ``slots`` is live or pending."""
-        busy = self.owner_np[slots] >= 0
-        if self.fenced_refs:
-            busy |= (self._readers_np[slots] > 0) | (self._writers_np[slots] > 0)
-        return busy
-
     # ------------------------------------------------------------- integrity
     def check(self) -> None:
         """Raise IntegrityError if the tables disagree with each other or with the band."""
@@ -419,8 +363,7 @@ class Pool:
         everything = torch.cat([free, live_ids]).sort().values
         _require(bool(torch.equal(everything, torch.arange(self.max_slots))),
                  f"{name}: free ids + live ids are not all ids exactly once")
-        sign = -1 if self.anchor == "high" else 1
-        missing = set(self.holes().tolist()) - {sign * s for s in self._hole_heap}
+        missing = set(self.holes().tolist()) - self._holes.slots()
         _require(not missing, f"{name}: {len(missing)} holes are not in the hole heap")
         if self.anchor == "low":
             _require(self.lo == 0, f"{name}: low band starts at slot {self.lo}")
@@ -433,25 +376,6 @@ def _np(ids: torch.Tensor | np.ndarray) -> np.ndarray:
     if isinstance(ids, torch.Tensor):
         return ids.to("cpu", _LONG).numpy()
     return np.asarray(ids, dtype=np.int64)
-
-
-def _distinct(values: np.ndarray) -> np.ndarray:
-    """``values`` sorted, each once (``np.unique`` without its first call's ~13 ms import of
-    ``numpy.ma``, which a benchmark's first sweep would pay)."""
-    values = np.sort(values)
-    if values.size < 2:
-        return values
-    keep = np.empty(values.size, dtype=bool)
-    keep[0] = True
-    np.not_equal(values[1:], values[:-1], out=keep[1:])
-    return values[keep]
-
-
-def _popping(heap: list[int]) -> Iterator[int]:
-    """The heap's entries, smallest first, each popped off as it is read."""
-    pop = heapq.heappop
-    while heap:
-        yield pop(heap)
 
 
 def _require(ok: bool, message: str) -> None:
