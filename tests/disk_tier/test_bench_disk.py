@@ -13,7 +13,8 @@ import pytest
 def test_bench_disk_small(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "tierstore", "bench", "disk", "--json",
                            "--dir", str(tmp_path), "--sizes-kib", "64", "--mib", "2",
-                           "--batch-mib", "1", "--repeat", "1", "--scan-mib", "2"],
+                           "--batch-mib", "1", "--repeat", "1", "--scan-mib", "2",
+                           "--engines"],
                           capture_output=True, text=True, check=True, timeout=300)
     result = json.loads(done.stdout.strip().splitlines()[-1])
     (row,) = result["rows"]
@@ -22,6 +23,12 @@ def test_bench_disk_small(tmp_path: Path) -> None:
     scan = result["scan"]
     assert scan["recovered"] == scan["slots"] > 0
     assert set(scan["restart_100gib_s"]) == {"64KiB", "1024KiB", "4096KiB"}
+    engines = result["engines"]  # measured, or said why not (aiofiles is not a dependency)
+    measured = {r["engine"] for r in engines["rows"]}
+    assert {"threads", "threads x1"} <= measured and all(r["read_mib_s"] > 0
+                                                         for r in engines["rows"])
+    assert measured | set(engines["skipped"]) == {"threads", "threads x1", "aiofiles",
+                                                  "io_uring"}
 
 
 def test_bench_replay_disk_configuration(tmp_path: Path) -> None:

@@ -33,7 +33,7 @@ from disk_tier.slab import aligned
 from disk_tier.slot import slot_bytes
 from disk_tier.tier import SCAN_THREADS
 from remote_tier.mac import Mac
-from tierstore.bench import _disk_replay
+from tierstore.bench import _disk_engines, _disk_replay
 from tierstore.bench._util import ratio, table
 
 MiB = 1 << 20
@@ -53,6 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replay", action="store_true",
                         help="also replay the generated trace: L1 5%% + L2 5%% + disk 30%% "
                              "against L1 5%% + L2 35%% of the working set")
+    parser.add_argument("--engines", action="store_true",
+                        help="also time the I/O engines on the same O_DIRECT transfers: the "
+                             "worker pool (--threads, and 1), aiofiles and io_uring (liburing) "
+                             "where they install")
     parser.add_argument("--replay-model", default="qwen3-next-80b-a3b")
     parser.add_argument("--replay-limit", type=int, default=None, help="first N requests")
 
@@ -212,6 +216,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "read_vs_dd": ratio(best["dr"], best["r"]),
             })
         scan = _scan(where, args.scan_mib * MiB, args.threads)
+        engines = _disk_engines.compare(base, [int(x) for x in args.sizes_kib.split(",")],
+                                        args.mib * MiB, args.threads, args.repeat
+                                        ) if args.engines else None
         replay = _disk_replay.compare(args.replay_model, *_disk_replay.SIZES,
                                       limit=args.replay_limit, directory=args.dir
                                       ) if args.replay else None
@@ -220,7 +227,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             shutil.rmtree(base, ignore_errors=True)
     return {"dir": base, "filesystem": _fs(base if os.path.exists(base) else "/tmp"),
             "threads": args.threads, "batch_mib": args.batch_mib, "rows": rows, "scan": scan,
-            "replay": replay}
+            "engines": engines, "replay": replay}
 
 
 def render(result: dict[str, Any]) -> str:
@@ -238,6 +245,13 @@ def render(result: dict[str, Any]) -> str:
             f"{s['index_slots_per_s']:,.0f} slots/s; a 100 GiB tier: "
             + ", ".join(f"{k} {v:.1f} s" for k, v in s["clean_restart_100gib_s"].items()))
     out = head + body + scan
+    if result.get("engines"):
+        e = result["engines"]
+        out += (f"\nI/O engines, O_DIRECT, {e['mib']:.0f} MiB per size, {e['depth']} calls in "
+                f"flight, nothing signed or copied:\n"
+                + table(e["rows"], ["envelope_kib", "engine", "write_mib_s", "read_mib_s",
+                                    "write_vs_threads", "read_vs_threads"])
+                + "".join(f"\n  {k}: not measured: {v}" for k, v in e["skipped"].items()))
     if result.get("replay"):
         out += "\n" + _disk_replay.render(result["replay"])
     return out
