@@ -19,8 +19,11 @@ keys are chained hashes salted with the namespace, so finding the same tokens un
 namespace means hashing the prompt again per namespace — the second pass the issue rules out.
 
 The parts sum to the prompt length by construction: each full page gets one reason, and the
-tail is ``partial_page``. :class:`Attribution` keeps the store's totals per tenant and warns
-when the cache serves ~nothing although prompts share cached prefixes.
+tail is ``partial_page``. :class:`Attribution` keeps the store's totals (plain ints per
+namespace, folded into tenants and labels only when read) and warns when the cache serves
+~nothing although prompts share cached prefixes. :class:`NoAttribution` is the store's part
+when attribution is switched off (``StoreConfig.attribution``): it does nothing, at no cost
+per request.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from typing import TYPE_CHECKING
 from tierstore.ghost import DEFAULT_CAPACITY, GhostIndex
 
 if TYPE_CHECKING:
+    from tierstore.layout import ModelLayout
     from tierstore.radix import Segment
 
 log = logging.getLogger(__name__)
@@ -43,11 +47,18 @@ log = logging.getLogger(__name__)
 REASONS = ("cold", "evicted", "no_checkpoint", "swa_window", "partial_page", "l3_unavailable",
            "no_room")
 HIT_TIERS = ("l1", "l2", "l3")
+_TIERS = ("", "l1", "l2", "l3", "disk")  # by tier number (tierstore.radix.Tier)
 # A promotion status of the store's match loop -> the reason of the pages it cost.
 _STATUS_REASON = {"no_room": "no_room", "unavailable": "l3_unavailable", "partial": "evicted"}
 _TENANT_MARK = "|"  # tierstore.hashing's {tenant}|{namespace} form of a tenant's namespace
+# Slots of a namespace's counters: hits by tier number (0 unused), losses by reason, evicted
+# tokens by the tier that dropped them last.
+_LOST = {r: 5 + i for i, r in enumerate(REASONS)}
+_EVICTED = {t: 5 + len(REASONS) + i for i, t in enumerate(_TIERS[1:])}
+_SLOTS = 5 + len(REASONS) + 4
 
 Counts = dict[str, int]
+PlanList = Sequence[tuple[int, str]]
 
 
 def default_tenant(namespace: str) -> str:
@@ -70,106 +81,9 @@ class Explanation:
         self.next_checkpoint = 0  # pages: the nearest checkpoint past ``found`` on the path
 
 
-def explain(path: Sequence[Segment], keys: Sequence[bytes], full: int, page: int, *,
-            state: bool, swa: bool, ghost: GhostIndex) -> Explanation:
-    """Reasons for pages ``[full, len(keys))`` of a prompt whose index walk is ``path`` and
-    whose deepest usable prefix, counting every tier, is ``full`` pages. Changes nothing."""
-    out = Explanation(full)
-    lost, evicted = out.lost, out.evicted_from
-    n_full = len(keys)
-    if full >= n_full:
-        return out
-    walked = 0
-    found = -1  # first page past ``full`` whose KV no tier holds (-1: not yet seen)
-    last_ckpt = 0  # deepest checkpointed node end in (full, found]
-    segs = []  # (node, first page of it in the prompt, matched pages) past ``full``
-    for seg in path:
-        start = walked
-        walked += seg.pages
-        if walked > full:
-            segs.append((seg.node, start, seg.pages))
-    for node, start, n in segs:
-        if found >= 0:
-            break
-        kv1, kv2, kv3 = node.ids(1, "kv"), node.ids(2, "kv"), node.ids(3, "kv")
-        kv4 = node.ids(4, "kv")  # the disk tier
-        for j in range(max(0, full - start), n):
-            if kv1[j] < 0 and kv2[j] < 0 and kv3[j] < 0 and kv4[j] < 0:
-                found = start + j
-                break
-        else:
-            end = start + n
-            if state and n == len(node.keys) and end > full and (
-                    node.checkpoint(1) >= 0 or node.checkpoint(2) >= 0
-                    or node.checkpoint(3) >= 0 or node.checkpoint(4) >= 0):
-                last_ckpt = end
-    if found < 0:
-        found = walked
-    out.found = found
-    if found > full:
-        # Any deeper checkpoint the KV reaches failed only the SWA window (the rule would
-        # have taken it otherwise); past the deepest one there is no checkpoint at all.
-        if state:
-            if last_ckpt:
-                lost["swa_window"] = (last_ckpt - full) * page
-            if found > max(last_ckpt, full):
-                lost["no_checkpoint"] = (found - max(last_ckpt, full)) * page
-                tail = segs[-1] if segs else None
-                if tail is not None and tail[1] + len(tail[0].keys) > found and (
-                        tail[0].checkpoint(1) >= 0 or tail[0].checkpoint(2) >= 0
-                        or tail[0].checkpoint(3) >= 0 or tail[0].checkpoint(4) >= 0):
-                    out.next_checkpoint = tail[1] + len(tail[0].keys)
-        elif swa:
-            lost["swa_window"] = (found - full) * page
-        else:  # the rule is KV-only: nothing can stop short of the KV
-            raise AssertionError(f"KV reaches page {found} but the rule stopped at {full}")
-    if found < walked:  # a page the index names that no tier holds: L3 lost it
-        _add(lost, "evicted", (walked - found) * page)
-        _add(evicted, "l3", (walked - found) * page)
-    if walked < n_full:
-        # C-level maps over the missing pages (no Python step per page): the young
-        # generation first, the old one for what it does not hold.
-        young, old = ghost._young, ghost._old
-        hs = list(map(hash, keys[walked:]))
-        tiers = list(map(young.get, hs, repeat(0)))
-        counts = [tiers.count(t) for t in range(5)]  # cold, dropped by l1, l2, l3, disk
-        if counts[0] and old:
-            older = list(map(old.get, compress(hs, map(not_, tiers)), repeat(0)))
-            counts = [older.count(0)] + [c + older.count(t) for t, c in enumerate(counts) if t]
-        if counts[0]:
-            lost["cold"] = counts[0] * page
-        for tier in (1, 2, 3, 4):
-            if counts[tier]:
-                _add(lost, "evicted", counts[tier] * page)
-                _add(evicted, "disk" if tier == 4 else f"l{tier}", counts[tier] * page)
-    return out
-
-
-def settle(why: Explanation, plans: Sequence[tuple[int, str]], served: int, page: int,
-           tail: int) -> tuple[Counts, Counts]:
-    """Lost tokens by reason (and evicted ones by tier) of a match that served ``served``
-    pages: ``why`` past the all-tier prefix, the promotion ``plans`` ((pages planned, status)
-    per try, in order) between it and what was served, and ``tail`` tokens past the last full
-    page. ``best_effort`` matches plan without L3 first: that gap is ``l3_unavailable``."""
-    lost = dict(why.lost)
-    evicted = dict(why.evicted_from)
-    prev, reason = why.full, "l3_unavailable"
-    for planned, status in plans:
-        if planned < prev:
-            _lose(lost, evicted, reason, (prev - planned) * page)
-            prev = planned
-        reason = _STATUS_REASON.get(status, reason)
-    if served < prev:  # every try was cut short (L3 kept losing pages): nothing was served
-        _lose(lost, evicted, reason, (prev - served) * page)
-    if tail:
-        lost["partial_page"] = tail
-    return lost, evicted
-
-
-def _lose(lost: Counts, evicted: Counts, reason: str, tokens: int) -> None:
-    _add(lost, reason, tokens)
-    if reason == "evicted":  # L3 no longer held entries the plan counted on
-        _add(evicted, "l3", tokens)
+def _has_checkpoint(node: object) -> bool:
+    ck = node.checkpoint  # type: ignore[attr-defined]
+    return ck(1) >= 0 or ck(2) >= 0 or ck(3) >= 0 or ck(4) >= 0
 
 
 def _add(counts: Counts, key: str, n: int) -> None:
@@ -177,63 +91,196 @@ def _add(counts: Counts, key: str, n: int) -> None:
 
 
 class Attribution:
-    """The store's attribution: the ghost index, totals per (tenant, outcome, tier), and the
-    near-zero-hit warning. ``tenant_of`` maps a store namespace to its tenant label."""
+    """The store's attribution for one model ``layout``: explains and settles each match,
+    keeps the ghost index (its :attr:`on_drop` hears of dropped pages), totals per (tenant,
+    outcome, tier), and the near-zero-hit warning. ``tenant_of`` maps a store namespace to
+    its tenant label."""
 
-    def __init__(self, *, ghost_capacity: int = DEFAULT_CAPACITY, window: int = 256,
-                 warn_every_s: float = 300.0,
+    enabled = True
+
+    def __init__(self, layout: ModelLayout, *, ghost_capacity: int = DEFAULT_CAPACITY,
+                 window: int = 256, warn_every_s: float = 300.0,
                  tenant_of: Callable[[str], str] = default_tenant) -> None:
+        self.page = layout.page_size
+        self.state = layout.state is not None
+        self.swa = layout.swa is not None
         self.ghost = GhostIndex(ghost_capacity)
+        self.on_drop: Callable[[list[bytes], int], None] | None = self.ghost.add
         self.tenant_of = tenant_of
-        self.totals: dict[tuple[str, str, str], int] = {}
+        self._counts: dict[str, list[int]] = {}  # namespace -> slots (see _SLOTS)
         self.window = window
         self.warn_every_s = warn_every_s
         self.warnings = 0
         self._last_warn = -float("inf")
         self._reset_window()
 
-    def _reset_window(self) -> None:
-        self._w_requests = self._w_tokens = self._w_hit = self._w_shared = 0
-        self._w_lost: Counts = {}
-        self._w_share: list[int] = []  # tokens of cached KV, per no_checkpoint request
-        self._w_next: list[int] = []  # nearest checkpoint past it, per such request
+    # ------------------------------------------------------------------ per match
+    def explain(self, path: Sequence[Segment], keys: Sequence[bytes], full: int
+                ) -> Explanation:
+        """Reasons for pages ``[full, len(keys))`` of a prompt whose index walk is ``path`` and
+        whose deepest usable prefix, counting every tier, is ``full`` pages. Changes nothing."""
+        out = Explanation(full)
+        n_full = len(keys)
+        if full >= n_full:
+            return out
+        walked = 0
+        for seg in path:
+            walked += seg.pages
+        if walked > full:  # the index knows pages past the usable prefix: why not usable
+            self._beyond(out, path, walked)
+        if walked < n_full:
+            self._unknown(out, keys, walked)
+        return out
 
-    def record(self, namespace: str, tokens: int, hits: Counts, lost: Counts,
-               evicted: Counts, why: Explanation, page: int) -> None:
-        """Add one match to the totals (``hits`` by tier, ``lost`` by reason, ``evicted``
-        by tier) and to the warning window."""
-        tenant = self.tenant_of(namespace)
-        totals = self.totals
-        for tier, n in hits.items():
+    def _beyond(self, out: Explanation, path: Sequence[Segment], walked: int) -> None:
+        """The reasons of pages ``[out.full, walked)``, which the index names."""
+        full, page, lost = out.full, self.page, out.lost
+        found = -1  # first page past ``full`` whose KV no tier holds (-1: not yet seen)
+        last_ckpt = 0  # deepest checkpointed node end in (full, found]
+        segs = []  # (node, first page of it in the prompt, matched pages) past ``full``
+        start = 0
+        for seg in path:
+            if start + seg.pages > full:
+                segs.append((seg.node, start, seg.pages))
+            start += seg.pages
+        for node, start, n in segs:
+            kv1, kv2, kv3 = node.ids(1, "kv"), node.ids(2, "kv"), node.ids(3, "kv")
+            kv4 = node.ids(4, "kv")  # the disk tier
+            for j in range(max(0, full - start), n):
+                if kv1[j] < 0 and kv2[j] < 0 and kv3[j] < 0 and kv4[j] < 0:
+                    found = start + j
+                    break
+            else:
+                if self.state and n == len(node.keys) and _has_checkpoint(node):
+                    last_ckpt = start + n
+                continue
+            break
+        if found < 0:
+            found = walked
+        out.found = found
+        if found > full:
+            # Any deeper checkpoint the KV reaches failed only the SWA window (the rule would
+            # have taken it otherwise); past the deepest one there is no checkpoint at all.
+            if self.state:
+                if last_ckpt:
+                    lost["swa_window"] = (last_ckpt - full) * page
+                if found > max(last_ckpt, full):
+                    lost["no_checkpoint"] = (found - max(last_ckpt, full)) * page
+                    node, start, _ = segs[-1]
+                    if start + len(node.keys) > found and _has_checkpoint(node):
+                        out.next_checkpoint = start + len(node.keys)
+            elif self.swa:
+                lost["swa_window"] = (found - full) * page
+            else:  # the rule is KV-only: nothing can stop short of the KV
+                raise AssertionError(f"KV reaches page {found} but the rule stopped at {full}")
+        if found < walked:  # a page the index names that no tier holds: L3 lost it
+            _add(lost, "evicted", (walked - found) * page)
+            _add(out.evicted_from, "l3", (walked - found) * page)
+
+    def _unknown(self, out: Explanation, keys: Sequence[bytes], walked: int) -> None:
+        """The reasons of pages past the index's walk: evicted (the ghost remembers them) or
+        cold. Remembered pages are a prefix of them: page keys are chained, so a page is cached
+        only under its parent and dropped no later than it (nodes are pruned deepest first, a
+        node's pages all at once), and the ghost forgets in the order it heard. So when the
+        first missing page is not remembered (a new prompt's tail: the usual case), none is,
+        and one lookup settles them all; else C-level maps count them per tier."""
+        ghost = self.ghost
+        young, old = ghost._young, ghost._old
+        page = self.page
+        first = hash(keys[walked])
+        if first not in young and first not in old:
+            out.lost["cold"] = (len(keys) - walked) * page
+            return
+        hs = list(map(hash, keys[walked:]))
+        tiers = list(map(young.get, hs, repeat(0)))
+        counts = [tiers.count(t) for t in range(5)]  # cold, dropped by l1, l2, l3, disk
+        if counts[0] and old:
+            older = list(map(old.get, compress(hs, map(not_, tiers)), repeat(0)))
+            counts = [older.count(0)] + [c + older.count(t) for t, c in enumerate(counts) if t]
+        lost, evicted = out.lost, out.evicted_from
+        if counts[0]:
+            lost["cold"] = counts[0] * page
+        for tier in (1, 2, 3, 4):
+            if counts[tier]:
+                _add(lost, "evicted", counts[tier] * page)
+                _add(evicted, _TIERS[tier], counts[tier] * page)
+
+    def settle(self, namespace: str, n_tokens: int, n_pages: int, why: Explanation,
+               plans: PlanList, served: int, sources: dict[int, int]) -> tuple[Counts, Counts]:
+        """Lost tokens by reason (and evicted ones by tier) of a match of ``n_tokens`` tokens
+        (``n_pages`` full pages) that served ``served`` pages from ``sources`` (pages by tier
+        number): ``why`` past the all-tier prefix, the promotion ``plans`` ((pages planned,
+        status) per try, in order) between it and what was served, and the tail past the
+        last full page. ``best_effort`` matches plan without L3 first: that gap is
+        ``l3_unavailable``. Counted in the totals; takes ``why``'s dicts as the result."""
+        page = self.page
+        lost, evicted = why.lost, why.evicted_from
+        prev, reason = why.full, "l3_unavailable"
+        for planned, status in plans:
+            if planned < prev:
+                self._lose(lost, evicted, reason, (prev - planned) * page)
+                prev = planned
+            reason = _STATUS_REASON.get(status, reason)
+        if served < prev:  # every try was cut short (L3 kept losing pages): nothing was served
+            self._lose(lost, evicted, reason, (prev - served) * page)
+        tail = n_tokens - n_pages * page
+        if tail:
+            lost["partial_page"] = tail
+        # The totals: plain ints per namespace (labels are built when read).
+        c = self._counts.get(namespace)
+        if c is None:
+            c = self._counts[namespace] = [0] * _SLOTS
+        hit = 0
+        for tier, n in sources.items():
             if n:
-                key = (tenant, "hit", tier)
-                totals[key] = totals.get(key, 0) + n
-        for reason, n in lost.items():
-            if reason != "evicted":
-                key = (tenant, reason, "")
-                totals[key] = totals.get(key, 0) + n
-        for tier, n in evicted.items():
-            key = (tenant, "evicted", tier)
-            totals[key] = totals.get(key, 0) + n
+                c[tier] += n * page
+                hit += n
+        for r, n in lost.items():
+            c[_LOST[r]] += n
+        for t, n in evicted.items():
+            c[_EVICTED[t]] += n
         self._w_requests += 1
-        self._w_tokens += tokens
-        hit = sum(hits.values())
-        self._w_hit += hit
-        self._w_shared += max(hit, why.found * page)
-        for reason, n in lost.items():
-            self._w_lost[reason] = self._w_lost.get(reason, 0) + n
-        if lost.get("no_checkpoint"):
+        self._w_shared += max(hit, why.found) * page
+        if "no_checkpoint" in lost:
             self._w_share.append(why.found * page)
             self._w_next.append(why.next_checkpoint * page)
         if self._w_requests >= self.window:
             self._check_window()
             self._reset_window()
+        return lost, evicted
+
+    @staticmethod
+    def _lose(lost: Counts, evicted: Counts, reason: str, tokens: int) -> None:
+        _add(lost, reason, tokens)
+        if reason == "evicted":  # L3 no longer held entries the plan counted on
+            _add(evicted, "l3", tokens)
+
+    # ------------------------------------------------------------------ the warning
+    def _sums(self) -> list[int]:
+        """Every namespace's slots added up."""
+        out = [0] * _SLOTS
+        for c in self._counts.values():
+            out = [a + b for a, b in zip(out, c, strict=True)]
+        return out
+
+    def _reset_window(self) -> None:
+        self._w_requests = self._w_shared = 0
+        self._w_base = self._sums()  # the totals when the window began
+        self._w_share: list[int] = []  # tokens of cached KV, per no_checkpoint request
+        self._w_next: list[int] = []  # nearest checkpoint past it, per such request
+
+    def _window(self) -> tuple[int, int, Counts]:
+        """The current window's prompt tokens, hit tokens and lost tokens by reason."""
+        now = [a - b for a, b in zip(self._sums(), self._w_base, strict=True)]
+        hit = sum(now[1:5])
+        lost = {r: now[i] for r, i in _LOST.items() if now[i]}
+        return hit + sum(lost.values()), hit, lost
 
     def _check_window(self) -> None:
         """Warn (at most every ``warn_every_s``) when under 2% of the window's tokens hit
         although at least 20% had their KV cached: prompts share prefixes the rule cannot use."""
-        tokens = self._w_tokens
-        if not tokens or self._w_hit > 0.02 * tokens or self._w_shared < 0.2 * tokens:
+        tokens, hit, _ = self._window()
+        if not tokens or hit > 0.02 * tokens or self._w_shared < 0.2 * tokens:
             return
         now = time.monotonic()
         if now - self._last_warn < self.warn_every_s:
@@ -245,10 +292,10 @@ class Attribution:
     def warning_text(self) -> str:
         """The near-zero-hit warning for the current window: the lost-reason histogram and,
         for ``no_checkpoint``, how far the shared KV reaches against the nearest checkpoint."""
-        tokens = max(1, self._w_tokens)
-        lost = sum(self._w_lost.values()) or 1
+        tokens, hit, by_reason = self._window()
+        lost = sum(by_reason.values()) or 1
         parts = [f"{n / lost:.0%} of lost tokens: {reason}"
-                 for reason, n in sorted(self._w_lost.items(), key=lambda kv: -kv[1]) if n]
+                 for reason, n in sorted(by_reason.items(), key=lambda kv: -kv[1])]
         if parts and parts[0].endswith("no_checkpoint") and self._w_share:
             share = statistics.median(self._w_share)
             nexts = [n for n in self._w_next if n]
@@ -256,11 +303,28 @@ class Attribution:
                      if nexts else "no checkpoint lies on the shared prefixes")
             parts[0] += (f" — prompts share a median {share:,.0f} tokens of cached KV, "
                          f"{where}")
-        return (f"prefix cache hit {self._w_hit / tokens:.1%} of {self._w_tokens:,} prompt "
+        return (f"prefix cache hit {hit / max(1, tokens):.1%} of {tokens:,} prompt "
                 f"tokens over the last {self._w_requests} requests although "
-                f"{self._w_shared / tokens:.0%} had their KV cached; " + "; ".join(parts))
+                f"{self._w_shared / max(1, tokens):.0%} had their KV cached; "
+                + "; ".join(parts))
 
-    def snapshot(self) -> dict[str, object]:
+    # ------------------------------------------------------------------ reading
+    @property
+    def totals(self) -> dict[tuple[str, str, str], int]:
+        """Tokens per (tenant, outcome, tier): outcome ``hit`` by tier, a reason (tier ``""``)
+        or ``evicted`` by the tier that dropped them last; zeros left out."""
+        out: dict[tuple[str, str, str], int] = {}
+        for namespace, c in self._counts.items():
+            tenant = self.tenant_of(namespace)
+            items = [((tenant, "hit", _TIERS[t]), c[t]) for t in range(1, 5)]
+            items += [((tenant, r, ""), c[i]) for r, i in _LOST.items() if r != "evicted"]
+            items += [((tenant, "evicted", t), c[i]) for t, i in _EVICTED.items()]
+            for key, n in items:
+                if n:
+                    out[key] = out.get(key, 0) + n
+        return out
+
+    def snapshot(self) -> dict[str, object] | None:
         """Totals for stats: ``hit`` by tier, ``lost`` by reason, ``evicted_from`` by tier,
         the same per tenant, and the ghost index's size."""
         hit = dict.fromkeys(HIT_TIERS, 0)
@@ -270,17 +334,43 @@ class Attribution:
         for (tenant, outcome, tier), n in self.totals.items():
             t = tenants.setdefault(tenant, {"hit": {}, "lost": {}, "evicted_from": {}})
             if outcome == "hit":
-                hit[tier] = hit.get(tier, 0) + n
+                _add(hit, tier, n)
                 _add(t["hit"], tier, n)
             else:
                 lost[outcome] += n
                 _add(t["lost"], outcome, n)
                 if outcome == "evicted":
-                    evicted[tier] = evicted.get(tier, 0) + n
+                    _add(evicted, tier, n)
                     _add(t["evicted_from"], tier, n)
         return {"hit": hit, "lost": lost, "evicted_from": evicted, "tenants": tenants,
                 "ghost": {"entries": len(self.ghost), "capacity": self.ghost.capacity},
                 "warnings": self.warnings}
+
+
+class NoAttribution:
+    """Attribution switched off: matches carry no ``lost`` split, stats no totals, and no
+    ghost index hears of drops. Every call is a constant."""
+
+    enabled = False
+    on_drop = None
+    warnings = 0
+    _NONE = Explanation(0)
+
+    def explain(self, path: Sequence[Segment], keys: Sequence[bytes], full: int
+                ) -> Explanation:
+        return self._NONE
+
+    def settle(self, namespace: str, n_tokens: int, n_pages: int, why: Explanation,
+               plans: PlanList, served: int, sources: dict[int, int]) -> tuple[Counts, Counts]:
+        return {}, {}
+
+    def snapshot(self) -> None:
+        return None
+
+
+def attribution_for(layout: ModelLayout, enabled: bool) -> Attribution | NoAttribution:
+    """A store's attribution: the real one, or the null one when switched off."""
+    return Attribution(layout) if enabled else NoAttribution()
 
 
 def match_fields(lost: Counts, evicted_from: Counts) -> dict[str, Counts]:

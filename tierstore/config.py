@@ -55,6 +55,10 @@ class StoreConfig:
     disk_mac_key: bytes | None = field(default=None, repr=False)
     disk_direct: bool | None = None
     disk_io_threads: int = 4
+    # Accounting (what a match lost and why; what more memory would buy). Off, the store
+    # keeps a null part instead: no per-request cost, no ``lost`` split, no curves.
+    attribution: bool = True
+    mrc: bool = True
 
     def __post_init__(self) -> None:
         if self.capacity_bytes <= 0:

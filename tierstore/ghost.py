@@ -4,7 +4,7 @@ Telling ``evicted`` from ``cold`` needs to know what was once cached. Two genera
 ``{fingerprint: tier}`` (ARC's ghost list, kept as generations so forgetting is O(1)): a
 dropped page goes into the young generation; when it holds ``capacity / 2`` entries the old
 generation is forgotten whole and the young one takes its place. So the index remembers at
-least the last ``capacity / 2`` drops and never more than ``capacity``.
+least the last ``capacity / 2`` drops and never more than ``capacity`` (plus one node's pages).
 
 The fingerprint is Python's ``hash`` of the 32-byte page key: bytes cache their hash, so a
 lookup costs no hashing pass, and at 64 bits two keys share a fingerprint with probability
@@ -16,6 +16,7 @@ bytes per remembered page (a dict entry, its int key and the index slot; tracema
 from __future__ import annotations
 
 from collections.abc import Iterable
+from itertools import repeat
 
 DEFAULT_CAPACITY = 1 << 18  # pages remembered at most (at least half of it)
 
@@ -38,14 +39,14 @@ class GhostIndex:
         return len(self._young) + len(self._old)
 
     def add(self, keys: Iterable[bytes], tier: int) -> None:
-        """Remember ``keys`` as dropped, last from ``tier``."""
+        """Remember ``keys`` (a dropped node's pages) as dropped, last from ``tier``: one
+        C-level update per call, no Python step per page. The young generation may overrun
+        its half by one call's keys before it ages."""
         young = self._young
-        for key in keys:
-            young[hash(key)] = tier
-            if len(young) >= self._half:
-                self.forgotten += len(self._old)
-                self._old, young = young, {}
-                self._young = young
+        young.update(zip(map(hash, keys), repeat(tier)))
+        if len(young) >= self._half:
+            self.forgotten += len(self._old)
+            self._old, self._young = young, {}
 
     def tier(self, key: bytes) -> int:
         """The tier that dropped ``key`` last, or 0 if the index does not remember it."""

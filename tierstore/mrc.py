@@ -1,18 +1,18 @@
 """Miss-ratio curves per tier: what 0.5x-4x of each tier's bytes would hit.
 
 A SHARDS-sampled shadow (Waldspurger et al., FAST '15) of the store's eviction order: page keys
-whose hash falls under a threshold (rate ``R``) are kept in a byte-weighted LRU stack; a
-reference's stack distance is the bytes of sampled pages used since, divided by ``R``. When
-more than ``max_tracked`` pages are sampled the threshold halves and the pages above it leave
-(fixed-size SHARDS), so memory and per-request work stay bounded; every sample is weighted by
-``1/R`` of its moment, which keeps the estimate unbiased across rate changes.
+(uniform hash outputs) whose first 32 bits fall under a threshold (rate ``R``) are kept in a
+byte-weighted LRU stack; a reference's stack distance is the bytes of sampled pages used since,
+divided by ``R``. When more than ``max_tracked`` pages are sampled the threshold halves and the
+pages above it leave (fixed-size SHARDS), so memory and per-request work stay bounded; every
+sample is weighted by ``1/R`` of its moment, which keeps the estimate unbiased across rate changes.
 
 The hybrid rule in the shadow: a prompt is served up to a *candidate end* (a page end where a
 checkpoint was inserted, for models with recurrent state; every page end otherwise), and a
 prefix is resident when its deepest page is: a match or an insert uses a whole path, deepest
 page first, so its distance bounds its ancestors'. Hit tokens at size ``C`` are then
 ``sum over candidates c of (c - previous candidate) * page * [distance(c) <= C]`` — additive,
-so sampling candidates by their page's hash estimates it. Page objects weigh their KV (and SWA)
+so sampling candidates by their page key estimates it. Page objects weigh their KV (and SWA)
 bytes, a candidate end adds the checkpoint (and, under SWA window retention, the window).
 
 Tiers are read as one LRU hierarchy: L1 holds the most recent ``C1`` bytes, L2 the next
@@ -24,24 +24,36 @@ counted separately as well (the share of referenced entries of each kind a size 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from itertools import compress
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from tierstore.config import StoreConfig
     from tierstore.layout import ModelLayout
 
 MULTIPLES = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0)
-_SPACE = 1 << 32  # sampling is on 32 bits of the key's hash (pages high, ends low)
-_MASK = _SPACE - 1
-_HALF = 1 << 63  # hashes are signed 64-bit
+# Sampling thresholds are on 32 bits of the page key itself (SHA-256 output, uniform): pages
+# on bytes 0-3, candidate ends on bytes 4-7. A page is sampled when its key sorts below the
+# threshold's 4 bytes, one C-level bytes comparison per page and no hashing pass.
+_SPACE = 1 << 32
+_ALL = b"\xff" * 64  # sorts above every key: rate 1
 _SHIFT = 8
 _BLOCK = 1 << _SHIFT
 DEFAULT_MAX_TRACKED = 16_384
 # Pages start sampled at 1/16 (candidate ends at 1): on the shipped trace that is within
 # 0.9 points of the unsampled curve, at a sixteenth of the per-page work.
 DEFAULT_RATE = 1 / 16
+
+
+def _limit(threshold: int) -> bytes:
+    """The bytes a sampled key sorts below: ``key < _limit(t)`` iff its first 4 bytes, read
+    big-endian, are under ``t``."""
+    return _ALL if threshold >= _SPACE else threshold.to_bytes(4, "big")
+
+
+def _end_sampled(key: bytes, threshold: int) -> bool:
+    return int.from_bytes(key[4:8], "big") < threshold
 
 
 class _Slots:
@@ -70,17 +82,10 @@ class _Slots:
         return sum(self.values[i:stop]) + sum(self.sums[b + 1:((end - 1) >> _SHIFT) + 1])
 
 
-class _Pending(NamedTuple):
-    """A match's touch, left to the next event: its pages' count, last key and hashes, which
-    of them are ends (None: all), and the positions to touch."""
-
-    n: int
-    last: bytes
-    hs: list[int]
-    flags: list[bool] | None
-    touched: list[int]
-    low: list[int]  # positions under the page threshold, at ``limit``
-    limit: int
+# A match's touch, left to the next event (a plain tuple: building it is one C call):
+# (pages, last key, keys, candidate end positions or None (no state: every page is one),
+# positions to touch, positions under the page threshold, the page threshold's bytes).
+_Pending = tuple[int, bytes, Sequence[bytes], "list[int] | None", list[int], list[int], bytes]
 
 
 class Shadow:
@@ -108,22 +113,23 @@ class Shadow:
         # them until there are ``max_tracked``): sampling them with the pages would let a few
         # heavily shared prefixes swing the estimate by whole points.
         self.threshold = int(rate * _SPACE)
+        self._page_limit = _limit(self.threshold)
         self.end_threshold = _SPACE
         self.max_tracked = max_tracked
         window = swa_window_pages if swa_window_only else 0
         self.page_bytes = units["kv"] + (units.get("swa", 0) if not window else 0)
         self.end_bytes = units.get("state", 0) + window * units.get("swa", 0)
         self.kinds = [k for k in ("kv", "swa", "state") if k in units]
-        # Tracked pages: hash -> [slot, bytes, is_end]; slot order is recency (higher: more
+        # Tracked pages: key -> [slot, bytes, is_end]; slot order is recency (higher: more
         # recent). The slots hold bytes / rate: distances come out unscaled.
-        self._pages: dict[int, list[int]] = {}
+        self._pages: dict[bytes, list[int]] = {}
         self._num_ends = 0
         self._slots = 4 * max_tracked + 64
         self._tree = _Slots([0.0] * self._slots)
         self._clock = 0
-        self._ends: dict[int, None] = {}  # candidate ends: hashes of pages a checkpoint follows
-        self._old_ends: dict[int, None] = {}
-        self._end_set: dict[int, None] = {}  # both generations: one lookup per page
+        self._ends: dict[bytes, None] = {}  # candidate ends: keys of pages a checkpoint follows
+        self._old_ends: dict[bytes, None] = {}
+        self._end_set: dict[bytes, None] = {}  # both generations: one lookup per page
         self._w_page = self._w_end = 0.0
         self._set_weights()
         self._pending: _Pending | None = None
@@ -131,6 +137,10 @@ class Shadow:
         self._hist = [0.0] * (len(self.edges) + 1)  # hit tokens by distance bin, weighted
         self._kind_hist = {k: [0.0] * (len(self.edges) + 1) for k in self.kinds}
         self._kind_refs = dict.fromkeys(self.kinds, 0.0)
+        # The kinds a sampled page adds to (KV and SWA entries) and a candidate end (+ state).
+        self._page_kinds: list[tuple[list[float], str]] = [
+            (self._kind_hist[k], k) for k in ("kv", "swa") if k in self.kinds]
+        self._end_kinds = [(self._kind_hist[k], k) for k in self.kinds]
         self.tokens = 0  # prompt tokens referenced (exact, not sampled)
         self.requests = 0
 
@@ -152,16 +162,6 @@ class Shadow:
         """Cache ``1/R`` of pages and ends (they change only with a rate)."""
         self._w_page, self._w_end = self._weight(False), self._weight(True)
 
-    def _sampled(self, h: int, is_end: bool) -> bool:
-        if is_end:
-            return (h & _MASK) < self.end_threshold
-        return h < self._limit()
-
-    def _limit(self) -> int:
-        """Pages are sampled on the high 32 bits of their hash (offset to unsigned): ``h`` is
-        sampled when below this; one int comparison per page, no masking."""
-        return (self.threshold << 32) - _HALF
-
     def insert(self, keys: Sequence[bytes], checkpoint: bool) -> None:
         """An insert of a prompt's full pages (``keys``), with a checkpoint at its end."""
         if not keys:
@@ -169,146 +169,139 @@ class Shadow:
         pending, self._pending = self._pending, None
         n = len(keys)
         # The engine inserts the prompt it just matched (or a longer one): keys are chained,
-        # so an equal key at the match's last page means the same pages up to it. Their hashes
-        # are reused, and the match's touch is skipped: this insert's touch moves the same
-        # pages (sampled and tracked, up to its last end) to the top again, deepest first,
-        # leaving the stack as both touches would.
-        covered = pending is not None and n >= pending.n and keys[pending.n - 1] == pending.last
-        if covered:
-            assert pending is not None
-            hs = pending.hs + list(map(hash, keys[pending.n:])) if n > pending.n else pending.hs
-        else:
-            if pending is not None:
-                self._flush(pending)
-            hs = list(map(hash, keys))
-        known = pending if covered else None  # what the match found about these pages
+        # so an equal key at the match's last page means the same pages up to it. Its scan is
+        # reused, and the match's touch is skipped: this insert's touch moves the same pages
+        # (sampled and tracked, up to its last end) to the top again, deepest first, leaving
+        # the stack as both touches would.
+        known = pending if pending is not None and n >= pending[0] \
+            and keys[pending[0] - 1] == pending[1] else None
+        if known is None and pending is not None:
+            self._flush(pending)
         if checkpoint and self.state:
-            h = hs[-1]
-            if h not in self._end_set:
-                self._ends[h] = None
-                self._end_set[h] = None
+            last = keys[-1]
+            if last not in self._end_set:
+                self._ends[last] = None
+                self._end_set[last] = None
                 if len(self._ends) >= 4 * self.max_tracked:  # two generations, as the ghost
                     self._old_ends, self._ends = self._ends, {}
                     self._end_set = dict(self._old_ends)  # once per generation: amortized O(1)
-                    if covered:  # forgotten ends may not be sampled now: touch as matched
-                        assert pending is not None
-                        self._flush(pending)
+                    if known is not None:  # forgotten ends may not be sampled now: as matched
+                        self._flush(known)
                         known = None
-                elif known is not None and n == known.n:  # its last page became an end
-                    assert known.flags is not None
-                    known.flags[-1] = True
-                obj = self._pages.pop(h, None)
+                elif known is not None and n == known[0]:  # its last page became an end
+                    ends = known[3]
+                    assert ends is not None
+                    ends.append(n - 1)
+                obj = self._pages.pop(last, None)
                 if obj is not None:  # a tracked page becomes an end: tracked anew below
                     self._untrack(obj)
-        flags, _, sampled, _ = self._scan(hs, known)
-        self._touch(hs, flags, sampled, create=True)
+        ends, sampled, _ = self._scan(keys, known)
+        self._touch(keys, ends, sampled, create=True)
 
-    def _scan(self, hs: list[int], known: _Pending | None = None
-              ) -> tuple[list[bool] | None, list[int] | None, list[int], list[int]]:
-        """Which pages a checkpoint follows (None: every page, the model has no state), the
-        positions of those (None: every page), the positions the sample covers (as pages, or
-        as candidate ends) in order, and those under the page threshold. C-level maps only:
-        no Python step per page. ``known``: the same for the first ``known.n`` pages."""
-        positions = range(len(hs))
-        limit = self._limit()
-        if known is not None and known.limit == limit:
-            k = known.n
-            tail = hs[k:]
-            low = known.low + list(compress(range(k, len(hs)), map(limit.__gt__, tail))) \
-                if tail else known.low
-            if not self.state:
-                return None, None, low, low
-            assert known.flags is not None
-            flags = known.flags + list(map(self._end_set.__contains__, tail)) \
-                if tail else known.flags
+    def _scan(self, keys: Sequence[bytes], known: _Pending | None = None
+              ) -> tuple[list[int] | None, list[int], list[int]]:
+        """The positions of the pages a checkpoint follows (None: every page is a candidate,
+        the model has no state), the positions the sample covers (as pages, or as candidate
+        ends) in order, and those under the page threshold. C-level maps only: no Python step
+        per page. ``known``: the same for the first ``known[0]`` pages."""
+        n = len(keys)
+        limit = self._page_limit
+        if known is not None and known[6] == limit:
+            k, ends, low = known[0], known[3], known[5]
+            if n > k:
+                tail = keys[k:]
+                low = low + list(compress(range(k, n), map(limit.__gt__, tail)))
+                if ends is not None:
+                    ends = ends + list(compress(range(k, n),
+                                                map(self._end_set.__contains__, tail)))
         else:
-            low = list(compress(positions, map(limit.__gt__, hs)))  # h < limit
-            if not self.state:
-                return None, None, low, low
-            flags = list(map(self._end_set.__contains__, hs))
-        ends = list(compress(positions, flags))
-        if not ends:  # no candidate: only ordinary pages
-            return flags, ends, low, low
-        sampled = [i for i in low if not flags[i]]
+            low = list(compress(range(n), map(limit.__gt__, keys)))  # key < limit
+            ends = list(compress(range(n), map(self._end_set.__contains__, keys))) \
+                if self.state else None
+        if not ends:  # no state (every page a candidate), or no candidate: pages only
+            return ends, low, low
         ethr = self.end_threshold
-        if ethr >= _SPACE:  # every end is sampled
-            if not sampled:
-                return flags, ends, ends, low
-            sampled += ends
+        if ethr < _SPACE:
+            picked = [i for i in ends if _end_sampled(keys[i], ethr)]
+        elif not low:  # every end is sampled
+            return ends, ends, low
         else:
-            sampled += [i for i in ends if hs[i] & _MASK < ethr]
+            picked = ends
+        sampled = [i for i in low if i not in ends] + picked if low else picked
         sampled.sort()
-        return flags, ends, sampled, low
+        return ends, sampled, low
 
     def reference(self, keys: Sequence[bytes], n_tokens: int) -> None:
         """A match of ``n_tokens`` tokens whose full pages are ``keys``: record where each
         candidate end's distance puts it, then use the path an unbounded cache would serve."""
         self.tokens += n_tokens
         self.requests += 1
-        pending, self._pending = self._pending, None
-        if pending is not None:  # the previous match was not followed by its insert
-            self._flush(pending)
+        if self._pending is not None:  # the previous match was not followed by its insert
+            self._flush(self._pending)
+            self._pending = None
         if not keys:
             return
-        hs = list(map(hash, keys))
-        flags, ends, sampled, low = self._scan(hs)
+        ends, sampled, low = self._scan(keys)
         touched: list[int] = []
         # the touch is done by the next event (skipped if it is this prompt's insert, which
         # reuses the scan too)
-        self._pending = _Pending(len(keys), keys[-1], hs, flags, touched, low, self._limit())
-        if ends is not None and not ends:
+        self._pending = (len(keys), keys[-1], keys, ends, touched, low, self._page_limit)
+        if not sampled or (ends is not None and not ends):
             return
         pages, page = self._pages, self.page_size
         tree, clock = self._tree, self._clock
         edges, hist = self.edges, self._hist
-        kinds, refs = self._kind_hist, self._kind_refs
         w_page, w_end = self._w_page, self._w_end
-        last = ends[-1] if ends is not None else len(hs) - 1
+        refs = self._kind_refs
+        last = ends[-1] if ends is not None else len(keys) - 1
         for i in sampled:
-            obj = pages.get(hs[i])
+            obj = pages.get(keys[i])
             if obj is None:
                 continue
             if i <= last:
                 touched.append(i)
-            is_end = flags[i] if flags is not None else False
-            dist = tree.suffix(obj[0], clock)  # its bytes and all more recent
-            weight = w_end if is_end else w_page
-            b = bisect.bisect_left(edges, dist)
+            b = bisect.bisect_left(edges, tree.suffix(obj[0], clock))  # its bytes + more recent
             if ends is None:  # every page is a candidate: its own tokens hit at this size
+                weight = w_page
                 hist[b] += page * weight
-            elif is_end:  # a candidate: the tokens since the previous one hit at this size
+                kinds = self._page_kinds
+            else:
                 k = bisect.bisect_left(ends, i)
-                prev = ends[k - 1] + 1 if k else 0
-                hist[b] += (i + 1 - prev) * page * weight
-            for kind in ("kv", "swa", "state") if is_end else ("kv", "swa"):
-                if kind in kinds:
-                    kinds[kind][b] += weight
-                    refs[kind] += weight
+                if k < len(ends) and ends[k] == i:  # a candidate: the tokens since the one
+                    weight = w_end  # before it hit at this size
+                    hist[b] += (i + 1 - (ends[k - 1] + 1 if k else 0)) * page * weight
+                    kinds = self._end_kinds
+                else:
+                    weight = w_page
+                    kinds = self._page_kinds
+            for h, kind in kinds:
+                h[b] += weight
+                refs[kind] += weight
 
     def _flush(self, pending: _Pending) -> None:
         """The touch a match left to the next event."""
-        if pending.touched:
-            self._touch(pending.hs, pending.flags, pending.touched, create=False)
+        if pending[4]:
+            self._touch(pending[2], pending[3], pending[4], create=False)
 
-    def _touch(self, hs: list[int], flags: list[bool] | None, sampled: list[int], *,
+    def _touch(self, keys: Sequence[bytes], ends: list[int] | None, sampled: list[int], *,
                create: bool) -> None:
-        """Move the tracked pages at the ``sampled`` positions of ``hs`` to the top, deepest
+        """Move the tracked pages at the ``sampled`` positions of ``keys`` to the top, deepest
         first (so it is the least recent of them); with ``create``, those not yet tracked
-        join."""
+        join (as candidate ends where ``ends`` says so)."""
         pages = self._pages
         values, sums = self._tree.values, self._tree.sums
-        state = flags is not None
+        w_page, w_end = self._w_page, self._w_end
         for i in reversed(sampled):
-            h = hs[i]
-            obj = pages.get(h)
+            key = keys[i]
+            obj = pages.get(key)
             if obj is None:
                 if not create:
                     continue
-                is_end = state and flags[i]  # type: ignore[index]
-                obj = pages[h] = [-1, self.page_bytes + (self.end_bytes if is_end else 0),
-                                  int(is_end)]
+                is_end = ends is not None and i in ends
+                obj = pages[key] = [-1, self.page_bytes + (self.end_bytes if is_end else 0),
+                                    int(is_end)]
                 self._num_ends += is_end
-            weighted = obj[1] * (self._w_end if obj[2] else self._w_page)
+            weighted = obj[1] * (w_end if obj[2] else w_page)
             slot = obj[0]
             if slot >= 0:
                 values[slot] -= weighted
@@ -334,10 +327,9 @@ class Shadow:
         out, or a rate changed)."""
         self._set_weights()
         w_page, w_end = self._w_page, self._w_end
-        live = sorted((obj[0], h) for h, obj in self._pages.items() if obj[0] >= 0)
+        live = sorted((obj[0], obj) for obj in self._pages.values() if obj[0] >= 0)
         values = [0.0] * self._slots
-        for slot, (_, h) in enumerate(live):
-            obj = self._pages[h]
+        for slot, (_, obj) in enumerate(live):
             obj[0] = slot
             values[slot] = obj[1] * (w_end if obj[2] else w_page)
         self._tree = _Slots(values)
@@ -348,15 +340,19 @@ class Shadow:
         (fixed-size SHARDS); the survivors weigh twice as much from now on."""
         while len(self._pages) - self._num_ends > self.max_tracked and self.threshold > 1:
             self.threshold //= 2
-            self._drop(lambda h, obj: not obj[2] and not self._sampled(h, False))
+            limit = self._page_limit = _limit(self.threshold)
+            self._drop([key for key, obj in self._pages.items()
+                        if not obj[2] and not key < limit])
         while self._num_ends > self.max_tracked and self.end_threshold > 1:
             self.end_threshold //= 2
-            self._drop(lambda h, obj: bool(obj[2]) and not self._sampled(h, True))
+            ethr = self.end_threshold
+            self._drop([key for key, obj in self._pages.items()
+                        if obj[2] and not _end_sampled(key, ethr)])
         self._compact()
 
-    def _drop(self, gone: Callable[[int, list[int]], bool]) -> None:
-        for h in [h for h, obj in self._pages.items() if gone(h, obj)]:
-            self._num_ends -= self._pages.pop(h)[2]
+    def _drop(self, gone: list[bytes]) -> None:
+        for key in gone:
+            self._num_ends -= self._pages.pop(key)[2]
 
     # ------------------------------------------------------------------ curves
     def _edges(self) -> list[float]:
@@ -410,11 +406,27 @@ class Shadow:
                              "requests": self.requests, "tokens": self.tokens}}
 
 
+class NoShadow:
+    """The shadow switched off (``StoreConfig.mrc``): hears every event, keeps nothing, and
+    has no curves. Every call is a constant."""
+
+    def reference(self, keys: Sequence[bytes], n_tokens: int) -> None:
+        return None
+
+    def insert(self, keys: Sequence[bytes], checkpoint: bool) -> None:
+        return None
+
+    def curves(self) -> None:
+        return None
+
+
 def shadow_for(config: StoreConfig, layout: ModelLayout, *, swa_window_only: bool,
-               l3_bytes: int | None = None, **kwargs: object) -> Shadow:
+               l3_bytes: int | None = None, **kwargs: object) -> Shadow | NoShadow:
     """A shadow of a store's tiers (its ``config`` and ``layout``): L1 and L2 at their
     configured bytes, L3 at ``l3_bytes`` (None: no L3 curve, and an L3 counts as unbounded; the
-    store cannot know Redis's memory limit)."""
+    store cannot know Redis's memory limit). :class:`NoShadow` when ``config.mrc`` is off."""
+    if not config.mrc:
+        return NoShadow()
     units = {k: e.nbytes for k, e in layout.envelopes().items()}
     capacities = {"l1": config.capacity_bytes, "l2": config.host_capacity_bytes or None,
                   "l3": l3_bytes if config.remote is not None else None}

@@ -214,8 +214,8 @@ def test_ghost_memory_per_entry() -> None:
 def test_near_zero_hits_with_shared_prefixes_warn_with_the_histogram(
         caplog: pytest.LogCaptureFixture) -> None:
     s = store()
-    s.attribution = Attribution(window=8, warn_every_s=0.0)
-    s.mover.on_drop = s.attribution.ghost.add
+    s.attribution = Attribution(s.layout, window=8, warn_every_s=0.0)
+    s.mover.on_drop = s.attribution.on_drop
     data = envelopes(1)
     long = list(range(16 * PAGE))  # checkpoint every 16 pages: at 64 tokens
     units = {k: e.nbytes for k, e in s.layout.envelopes().items()}

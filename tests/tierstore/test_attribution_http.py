@@ -3,6 +3,8 @@ totals and curves all account for every prompt token."""
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
 import re
 import urllib.request
@@ -11,7 +13,10 @@ from typing import Any
 import msgpack
 import torch
 
+from tierstore.attribution import Attribution
 from tierstore.config import StoreConfig
+from tierstore.mrc import Shadow
+from tierstore.service import server
 from tierstore.service.config import ServiceConfig
 from tierstore.store import TierStore
 from tierstore.testing.reference_model import tiny_layout
@@ -83,3 +88,43 @@ def test_match_replies_metrics_and_stats_sum_to_the_prompts() -> None:
                 counted += int(float(m.group(2)))
         assert counted == queried
         assert 'tierstore_mrc_hit_rate{multiple="2",tier="l1"}' in metrics
+
+
+def test_accounting_switched_off_through_the_service() -> None:
+    """``serve --no-attribution --no-mrc``: replies carry empty splits, stats no totals or
+    curves, /metrics no prompt-token counters; the cache serves the same."""
+    per = 4 * UNITS["kv"] + 2 * UNITS["swa"] + UNITS["state"]
+    store = TierStore(LAYOUT, StoreConfig(capacity_bytes=2 * per + 512, attribution=False,
+                                          mrc=False))
+    kv = [bytes([i]) * UNITS["kv"] for i in range(4)]
+    with RunningService(store, ServiceConfig(port=free_port(), kv_host_bytes=1 << 20)) as svc:
+        assert call(svc.url, "/v1/insert", {"tokens": prompt(1), "kv": kv,
+                                            "swa": [bytes(UNITS["swa"])] * 2,
+                                            "state": bytes(UNITS["state"])})["stored"]
+        reply = call(svc.url, "/v1/match", {"tokens": prompt(1) + [7]})
+        assert reply["matched_tokens"] == len(prompt(1))
+        assert reply["lost"] == {} and reply["evicted_from"] == {}
+        stats = call(svc.url, "/v1/stats")
+        assert stats["attribution"] is None and stats["mrc"] is None
+        assert stats["tokens_hit"] == len(prompt(1))
+        metrics = call(svc.url, "/metrics")
+        assert "tierstore_prompt_tokens_total{" not in metrics
+        assert "tierstore_mrc_hit_rate{" not in metrics
+
+
+def test_serve_flags_switch_the_accounting_off() -> None:
+    """``tierstore serve --no-attribution --no-mrc`` builds a store with null parts."""
+    parser = argparse.ArgumentParser()
+    server.add_arguments(parser)
+    common = ["--no-redis", "--device", "cpu", "--l1", "1MiB", "--l2", "0", "--scale",
+              "1/2048", "--no-shm", "--kv-host", "1MiB"]
+    for flags, attribution, mrc in (([], True, True), (["--no-attribution"], False, True),
+                                    (["--no-attribution", "--no-mrc"], False, False)):
+        with contextlib.ExitStack() as stack:
+            service, _ = server.build(parser.parse_args(common + flags), stack)
+            stack.callback(service.store.close)
+            stack.callback(service.kv.close)
+            config = service.store.config
+            assert (config.attribution, config.mrc) == (attribution, mrc)
+            assert isinstance(service.store.attribution, Attribution) == attribution
+            assert isinstance(service.store.mrc, Shadow) == mrc

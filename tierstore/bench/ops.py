@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from tierstore.bench._ops_acct import accounting_pair, rise
 from tierstore.bench._ops_vs import ENGINES, System, make_systems
 from tierstore.bench._util import ratio, table
 from tierstore.config import StoreConfig
@@ -42,7 +43,8 @@ from tierstore.store import TierStore
 OPS = ("match", "allocate", "insert", "release", "evict", "accounting")
 # Observability the store does per request besides caching (miss attribution, the miss-ratio
 # shadow): timed apart, as ``accounting``, so the caching work stays comparable across commits.
-_ACCOUNTING = (("mrc", "reference"), ("mrc", "insert"), (None, "_explain"), (None, "_settle"))
+_ACCOUNTING = (("mrc", "reference"), ("mrc", "insert"), (None, "_explain"), (None, "_settle"),
+               ("mover", "on_drop"))  # on_drop: the ghost index hears of dropped pages
 # CPU time of this thread: the loop is pure CPU work (no I/O on a meta / CPU arena without
 # tiers), and on a shared machine wall time mostly measures the other processes.
 _now = time.thread_time
@@ -65,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--turn", type=int, default=50,
                         help="requests per system per turn when systems interleave")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--accounting-off", action="store_true",
+                        help="also run the loop bare on two stores, accounting on and off, "
+                             "interleaved: the rise of on over off (tierstore.bench._ops_acct)")
 
 
 class Prompts:
@@ -111,7 +116,7 @@ class EngineLoop:
         self._acct_s = 0.0
         for owner_name, method in _ACCOUNTING:
             owner = store if owner_name is None else getattr(store, owner_name, None)
-            if owner is not None and hasattr(owner, method):
+            if owner is not None and getattr(owner, method, None) is not None:
                 setattr(owner, method, self._timed(getattr(owner, method)))
 
     def _timed(self, fn: Any) -> Any:
@@ -197,12 +202,14 @@ class DictFloor:
         return self._evictions
 
 
-def _store(layout: ModelLayout, pages: int, per_request: int, device: str) -> TierStore:
+def _store(layout: ModelLayout, pages: int, per_request: int, device: str,
+           accounting: bool = True) -> TierStore:
     envelopes = {k: e.nbytes for k, e in layout.envelopes().items()}
     checkpoints = pages // per_request + 2 if "state" in envelopes else 0
     capacity = pages * (envelopes["kv"] + envelopes.get("swa", 0)) \
         + checkpoints * envelopes.get("state", 0)
-    return TierStore(layout, StoreConfig(capacity_bytes=capacity, device=device))
+    return TierStore(layout, StoreConfig(capacity_bytes=capacity, device=device,
+                                         attribution=accounting, mrc=accounting))
 
 
 class _Clock:
@@ -234,7 +241,9 @@ def _measure(layout: ModelLayout, pages: int, args: argparse.Namespace, device: 
     hasher = PageHasher(layout.name, layout.fingerprint, layout.page_size, memo_bytes=0)
     floor = DictFloor(hasher, pages)
     others, skipped = make_systems(engines, layout, pages) if engines else ([], {})
-    systems: list[System] = [loop, floor, *others]
+    pair = accounting_pair(lambda on: _store(layout, pages, args.private_pages, device, on)) \
+        if args.accounting_off and device == "meta" else []
+    systems: list[System] = [loop, floor, *others, *pair]
     prompts = Prompts(layout.page_size, args.shared_pages, args.private_pages, args.prefixes,
                       args.seed)
     loop.warm(prompts.prefixes)
@@ -286,6 +295,8 @@ def _measure(layout: ModelLayout, pages: int, args: argparse.Namespace, device: 
                              "evictions": s.evictions()} for s in systems},
         "skipped": skipped,
     }
+    if pair:
+        row["accounting"] = {"steady": rise(pair, steady.us), "fill": rise(pair, fill.us)}
     for s in others:
         row[f"vs_{s.name}"] = ratio(steady.us(loop.name), steady.us(s.name))
         row[f"fill_vs_{s.name}"] = ratio(fill.us(loop.name), fill.us(s.name))
@@ -315,6 +326,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "growth": growth("us_per_request"), "fill_growth": growth("fill_us_per_request"),
             "max_us_per_request": max(r["us_per_request"] for r in meta) if meta else None,
             "max_vs_floor": _max(r["vs_floor"] for r in meta),
+            "max_accounting_rise": _max(r["accounting"]["steady"]["rise"] for r in meta
+                                        if "accounting" in r),
             **{f"max_{k}": _max(r.get(k) for r in meta) for k in vs},
             "skipped": {k: v for r in meta for k, v in r["skipped"].items()}}
 
@@ -341,6 +354,9 @@ def render(result: dict[str, Any]) -> str:
              "same prompts, systems interleaved (µs per request):",
              table(side, ["pages", "phase", *names])]
     lines += [f"skipped {name}: {why}" for name, why in result["skipped"].items()]
+    lines += [f"accounting on/off at {r['pages']} pages: steady "
+              f"{_pct(r['accounting']['steady'])}, fill {_pct(r['accounting']['fill'])}"
+              for r in result["rows"] if "accounting" in r]
     for key, label in (("fill_growth", "fill"), ("growth", "steady")):
         if result[key]:
             lines.append(f"{label} growth (largest / smallest size): {result[key]:.2f}x")
@@ -350,3 +366,8 @@ def render(result: dict[str, Any]) -> str:
 def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.1f}"
 
+
+def _pct(figures: dict[str, Any]) -> str:
+    """One accounting on/off figure: the rise, and whether both stores hit alike."""
+    same = "" if figures["same_hits"] else " (hits differ!)"
+    return "n/a" if figures["rise"] is None else f"{figures['rise']:+.1%}{same}"

@@ -79,6 +79,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-shm", action="store_true",
                         help="keep the storage API's host copy in private memory: no "
                              "same-host shared-memory clients, HTTP only")
+    parser.add_argument("--no-attribution", action="store_true",
+                        help="no miss attribution (why a match lost tokens): no per-request "
+                             "cost, no lost split in replies, metrics or the dashboard")
+    parser.add_argument("--no-mrc", action="store_true",
+                        help="no miss-ratio curves (what 0.5x-4x of each tier would hit)")
     limits = ServiceConfig()
     parser.add_argument("--max-connections", type=int, default=limits.max_connections,
                         help="open connections; beyond, the longest-idle one is closed")
@@ -156,7 +161,8 @@ def build(args: argparse.Namespace, stack: ExitStack) -> tuple[Service, ServiceC
                          host_capacity_bytes=parse_size(args.l2) // 256 * 256, remote=remote,
                          disk_path=args.disk if disk_bytes > kv_disk else None,
                          disk_mac_key=mac_key if args.disk else None,
-                         disk_size_bytes=disk_bytes - kv_disk)
+                         disk_size_bytes=disk_bytes - kv_disk,
+                         attribution=not args.no_attribution, mrc=not args.no_mrc)
     store = TierStore(layout, config)
     service_config = ServiceConfig(host=args.host, port=args.port,
                                    auth_token=(tokens[0] if tokens else None) or

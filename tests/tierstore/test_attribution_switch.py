@@ -1,0 +1,130 @@
+"""The accounting switch (``StoreConfig.attribution`` / ``mrc``: off, the store keeps null
+parts and caches exactly as with them on) and the ghost's one-lookup shortcut (equal to
+counting every missing page)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import torch
+
+from tierstore.attribution import Attribution, Explanation, NoAttribution
+from tierstore.config import StoreConfig
+from tierstore.mrc import NoShadow, Shadow
+from tierstore.store import TierStore
+
+from .conftest import HYBRID, PAGE, SWA_ONLY, layout
+
+
+def _store(config: dict, *, on: bool, mrc: bool | None = None, l1_pages: int = 6,
+           l2_pages: int = 0) -> TierStore:
+    lay = layout(config)
+    units = {k: e.nbytes for k, e in lay.envelopes().items()}
+    per_page = units["kv"] + units.get("swa", 0)
+    state = 2 * units.get("state", 0)
+    return TierStore(lay, StoreConfig(
+        capacity_bytes=l1_pages * per_page + state + 256,
+        host_capacity_bytes=l2_pages * per_page + state if l2_pages else 0,
+        attribution=on, mrc=on if mrc is None else mrc))
+
+
+def _workload(seed: int, n: int) -> list[tuple[str, list[int]]]:
+    """Inserts and matches over a few branching families, most prompts sharing a trunk."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        family = rng.randrange(3)
+        trunk = [family * 1000 + t for t in range(rng.randrange(4) * PAGE)]
+        own = [100_000 + (i % 7) * 500 + rng.randrange(3) * 50 + t
+               for t in range(rng.randrange(1, 5) * PAGE)]
+        out.append((rng.choice(["insert", "match", "match"]), trunk + own))
+    return out
+
+
+def _run(s: TierStore, ops: list[tuple[str, list[int]]]) -> list[tuple[int, dict[str, int]]]:
+    """Replay ``ops``; per match, the tokens it hit and its lost split."""
+    units = {k: e.nbytes for k, e in s.layout.envelopes().items()}
+    seen = []
+    for op, toks in ops:
+        if op == "insert":
+            pages = len(toks) // PAGE
+            given: dict[str, torch.Tensor] = {
+                k: torch.zeros(pages, units[k], dtype=torch.uint8)
+                for k in ("kv", "swa") if k in units}
+            if "state" in units:
+                given["state"] = torch.zeros(units["state"], dtype=torch.uint8)
+            s.insert(toks, **given)  # type: ignore[arg-type]
+        else:
+            m = s.match(toks + [5])
+            seen.append((m.tokens, dict(m.lost)))
+            if m.lease is not None:
+                s.release(m.lease)
+    s.check_integrity()
+    return seen
+
+
+def test_off_keeps_null_parts_and_caches_the_same() -> None:
+    for config in (HYBRID, SWA_ONLY):
+        ops = _workload(seed=1, n=120)
+        on, off = _store(config, on=True, l2_pages=4), _store(config, on=False, l2_pages=4)
+        assert isinstance(off.attribution, NoAttribution) and isinstance(off.mrc, NoShadow)
+        assert isinstance(on.attribution, Attribution) and isinstance(on.mrc, Shadow)
+        assert off.mover.on_drop is None  # no ghost hears of drops
+        with_parts, without = _run(on, ops), _run(off, ops)
+        assert [t for t, _ in with_parts] == [t for t, _ in without]  # hits unchanged
+        assert any(lost for _, lost in with_parts)
+        assert all(lost == {} for _, lost in without)  # no split when off
+        stats = off.stats()
+        assert stats.attribution is None and stats.mrc is None
+        assert stats.tokens_hit == on.stats().tokens_hit
+        assert on.stats().attribution is not None and on.stats().mrc is not None
+
+
+def test_each_part_switches_alone() -> None:
+    only_mrc = _store(HYBRID, on=False, mrc=True)
+    assert isinstance(only_mrc.attribution, NoAttribution) and isinstance(only_mrc.mrc, Shadow)
+    _run(only_mrc, _workload(seed=2, n=40))
+    assert only_mrc.stats().mrc is not None and only_mrc.stats().attribution is None
+
+
+def _slow(ghost_tier: object, keys: Sequence[bytes], walked: int) -> tuple[dict, dict]:
+    """Every missing page looked up on its own, as the shortcut must agree with."""
+    names = {1: "l1", 2: "l2", 3: "l3", 4: "disk"}
+    lost: dict[str, int] = {}
+    evicted: dict[str, int] = {}
+    for key in keys[walked:]:
+        tier = ghost_tier(key)  # type: ignore[operator]
+        reason = "evicted" if tier else "cold"
+        lost[reason] = lost.get(reason, 0) + PAGE
+        if tier:
+            evicted[names[tier]] = evicted.get(names[tier], 0) + PAGE
+    return lost, evicted
+
+
+def test_one_lookup_shortcut_equals_counting_every_page() -> None:
+    checked = remembered = 0
+    for seed, (l1, l2, capacity) in enumerate([(4, 0, 16), (6, 4, 8), (3, 3, 1 << 10)]):
+        s = _store(HYBRID, on=True, l1_pages=l1, l2_pages=l2)
+        attribution = s.attribution
+        assert isinstance(attribution, Attribution)
+        attribution.ghost.__init__(capacity)  # type: ignore[misc]  # small: generations rotate
+        unknown = attribution._unknown
+
+        def checked_unknown(out: Explanation, keys: Sequence[bytes], walked: int,
+                            unknown=unknown, ghost=attribution.ghost) -> None:
+            nonlocal checked, remembered
+            lost, evicted = _slow(ghost.tier, keys, walked)
+            before = Explanation(out.full)  # what the walk's part found (L3 loses only)
+            before.lost, before.evicted_from = dict(out.lost), dict(out.evicted_from)
+            unknown(out, keys, walked)
+            for got, had, want in ((out.lost, before.lost, lost),
+                                   (out.evicted_from, before.evicted_from, evicted)):
+                assert {k: n - had.get(k, 0) for k, n in got.items()
+                        if n != had.get(k, 0)} == want
+            checked += 1
+            remembered += bool(evicted)
+
+        attribution._unknown = checked_unknown  # type: ignore[method-assign]
+        _run(s, _workload(seed=10 + seed, n=300))
+    assert checked > 100 and remembered > 10  # both paths ran
