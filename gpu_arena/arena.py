@@ -107,28 +107,22 @@ class Arena:
     def alloc(self, pool: str, n: int) -> torch.Tensor | None:
         """Allocate ``n`` blocks; return their virtual ids, or ``None`` when even a full
         compaction cannot make room (nothing changes then). May move other blocks."""
-        ids = self.alloc_ids(pool, n)
-        return None if ids is None else torch.tensor(ids, dtype=torch.long)
+        p = self._pool(pool)
+        slots = self._free_slots(p, _count(pool, n))
+        if slots is None:
+            return None
+        if isinstance(slots, list):
+            return torch.tensor(p.bind(slots), dtype=torch.long)
+        return torch.from_numpy(p.bind_array(slots))
 
     def alloc_ids(self, pool: str, n: int) -> list[int] | None:
         """:meth:`alloc` with the ids as a list (the store's path: no tensor to build and
         convert back). Same checks, same effect, same ``None``."""
         p = self._pool(pool)
-        n = _count(pool, n)
-        if self._fences:
-            self._retire()
-        if n <= p.num_holes:  # the steady state: reuse what eviction freed, nothing moves
-            return p.bind(p.take_holes(n))
-        slots = self._direct(p, n)
+        slots = self._free_slots(p, _count(pool, n))
         if slots is None:
-            plan = self._plan({p.name: n})
-            if plan is None:
-                return None
-            compaction.execute(self._buf, self._low, self._float, self._high, plan)
-            self.compactions += 1
-            slots = self._direct(p, n)
-            assert slots is not None, f"pool {pool}: plan said {n} fit after compaction"
-        return p.bind(slots)
+            return None
+        return p.bind(slots) if isinstance(slots, list) else p.bind_array(slots).tolist()
 
     def can_alloc(self, request: Mapping[str, int]) -> bool:
         """Whether allocating all of ``request`` ({pool: n}) would succeed, counting the gap and
@@ -159,7 +153,7 @@ class Arena:
         """Free live ids (capacity returns at once; fenced slots are reused only after their
         fences retire). A foreign or already-free id raises ArenaError and frees nothing."""
         p = self._pool(pool)
-        self._release(p, self._ids(p, ids).tolist())
+        self._release(p, self._ids(p, ids).numpy())
 
     def free_owned(self, pool: str, ids: Sequence[int] | np.ndarray | torch.Tensor) -> None:
         """:meth:`free` for a caller that tracks its ids itself (the store's ledger does): ids
@@ -167,18 +161,24 @@ class Arena:
         re-validated here (a few µs per call on the store's hot path); a foreign or repeated
         id corrupts the tables, which :meth:`check_integrity` reports."""
         p = self._pool(pool)
-        if isinstance(ids, list):
+        if isinstance(ids, list | np.ndarray):
             self._release(p, ids)
-        elif isinstance(ids, np.ndarray | torch.Tensor):
-            self._release(p, ids.tolist())
+        elif isinstance(ids, torch.Tensor):
+            self._release(p, ids.to("cpu", torch.long).numpy())
         else:
             self._release(p, [int(i) for i in ids])
 
-    def _release(self, p: Pool, ids: list[int]) -> None:
-        if not ids:
+    def _release(self, p: Pool, ids: list[int] | np.ndarray) -> None:
+        n = len(ids)
+        if n == 0:
             return
-        slots = p.release(ids)
-        if max(slots) == p.hi - 1 or min(slots) == p.lo:
+        if n <= p.small_batch:
+            slots = p.release(ids if isinstance(ids, list) else ids.tolist())
+            edge = max(slots) == p.hi - 1 or min(slots) == p.lo
+        else:
+            array = p.release_array(np.asarray(ids, dtype=np.int64))
+            edge = int(array.max()) == p.hi - 1 or int(array.min()) == p.lo
+        if edge:
             p.trim()
 
     def resolve(
@@ -382,7 +382,27 @@ class Arena:
                     lower = max(lower, q.end)
         return lower, upper
 
-    def _direct(self, p: Pool, n: int) -> list[int] | None:
+    def _free_slots(self, p: Pool, n: int) -> list[int] | np.ndarray | None:
+        """Free slots for ``n`` new blocks (a list for a few, an array past the pool's
+        ``small_batch``), compacting when holes and the gap are not enough; ``None`` (nothing
+        changed) when even that cannot make room."""
+        if self._fences:
+            self._retire()
+        if n <= p.num_holes:  # the steady state: reuse what eviction freed, nothing moves
+            holes = p.take_holes(n)
+            return holes if n <= p.small_batch else np.asarray(holes, dtype=np.int64)
+        slots = self._direct(p, n)
+        if slots is None:
+            plan = self._plan({p.name: n})
+            if plan is None:
+                return None
+            compaction.execute(self._buf, self._low, self._float, self._high, plan)
+            self.compactions += 1
+            slots = self._direct(p, n)
+            assert slots is not None, f"pool {p.name}: plan said {n} fit after compaction"
+        return slots
+
+    def _direct(self, p: Pool, n: int) -> list[int] | np.ndarray | None:
         """Slots for ``n`` new blocks from holes and the adjacent gap, growing the band; ``None``
         (nothing changed) when they do not fit without moving blocks."""
         n_holes = min(n, p.num_holes)
@@ -403,10 +423,14 @@ class Arena:
         holes = p.take_holes(n_holes)
         n_up = min(up, need)
         n_down = need - n_up
-        slots = holes + list(range(p.lo - n_down, p.lo)) + list(range(p.hi, p.hi + n_up))
+        below, above = range(p.lo - n_down, p.lo), range(p.hi, p.hi + n_up)
         p.lo -= n_down
         p.hi += n_up
-        return slots
+        if n <= p.small_batch:
+            return holes + list(below) + list(above)
+        return np.concatenate([np.asarray(holes, dtype=np.int64),
+                               np.arange(below.start, below.stop, dtype=np.int64),
+                               np.arange(above.start, above.stop, dtype=np.int64)])
 
     def _float_start(self, first_fit: int, last_fit: int, need: int) -> int:
         """Where an empty floating band starts in the free slots ``[first_fit, last_fit)``:

@@ -39,10 +39,14 @@ class HoleHeap:
         """Every slot with an entry (stale ones too)."""
         return {self._sign * e for e in self.entries}
 
-    def add(self, slots: Sequence[int]) -> None:
+    def add(self, slots: Sequence[int] | np.ndarray) -> None:
         """Remember ``slots`` as possible holes (validated when they surface)."""
         entries = self.entries
-        keys = [-s for s in slots] if self._sign < 0 else slots
+        keys: Sequence[int]
+        if isinstance(slots, np.ndarray):
+            keys = (slots * self._sign).tolist()
+        else:
+            keys = [-s for s in slots] if self._sign < 0 else slots
         if len(entries) + len(keys) <= SORTED_UP_TO:
             entries.extend(keys)  # ordered by the next take's sort
             self._ordered = False

@@ -132,7 +132,7 @@ class Pool:
         self.visited += used
         return found
 
-    def _add_holes(self, slots: Sequence[int]) -> None:
+    def _add_holes(self, slots: Sequence[int] | np.ndarray) -> None:
         """Remember ``slots`` as possible holes (validated when they surface)."""
         if len(self._holes) > 4 * (self.num_holes + len(slots)) + self.sweep_slack:
             # Mostly stale: drop the stale entries (amortised O(1) per stale entry).
@@ -176,68 +176,85 @@ class Pool:
 
     # --------------------------------------------------------------- updates
     def bind(self, slots: list[int]) -> list[int]:
-        """Bind fresh virtual ids to ``slots`` (free, reusable) and return the ids."""
+        """Bind fresh virtual ids to ``slots`` (free, reusable) and return the ids. Loops over
+        memoryviews: for a few ids (:attr:`small_batch`); :meth:`bind_array` for many."""
         n = len(slots)
         assert n <= self.num_free_ids, f"pool {self.name}: {n} ids wanted, {self.num_free_ids} free"
         top = self.num_free_ids
-        ids: list[int]
-        if n > self.small_batch:
-            ids_np = self._free_np[top - n : top][::-1].copy()
-            slots_np = np.asarray(slots, dtype=np.int64)
-            self.loc_np[ids_np] = slots_np
-            self.owner_np[slots_np] = ids_np
-            ids = ids_np.tolist()
-        else:
-            ids = self._free_mv[top - n : top].tolist()
-            ids.reverse()
-            loc, owner = self._loc_mv, self._owner_mv
-            for i, slot in zip(ids, slots, strict=True):
-                loc[i] = slot
-                owner[slot] = i
+        ids = self._free_mv[top - n : top].tolist()
+        ids.reverse()  # the stack's top first: 0, 1, 2, ... from a fresh pool
+        loc, owner = self._loc_mv, self._owner_mv
+        for i, slot in zip(ids, slots, strict=True):
+            loc[i] = slot
+            owner[slot] = i
+        self._bound(ids)
+        return ids
+
+    def bind_array(self, slots: np.ndarray) -> np.ndarray:
+        """:meth:`bind` through numpy, for many ids."""
+        n = slots.size
+        assert n <= self.num_free_ids, f"pool {self.name}: {n} ids wanted, {self.num_free_ids} free"
+        top = self.num_free_ids
+        ids = self._free_np[top - n : top][::-1].copy()
+        self.loc_np[ids] = slots
+        self.owner_np[slots] = ids
+        self._bound(ids)
+        return ids
+
+    def _bound(self, ids: list[int] | np.ndarray) -> None:
+        n = len(ids)
         self.num_free_ids -= n
         self.num_live += n
         self.allocated += n
         if self.changed is not None:
             self._log(ids)
-        return ids
 
     def release(self, ids: list[int]) -> list[int]:
-        """Unbind live ``ids``; return their slots (now free, pending where fenced)."""
+        """Unbind live ``ids``; return their slots (now free, pending where fenced). Loops over
+        memoryviews: for a few ids (:attr:`small_batch`); :meth:`release_array` for many."""
         n = len(ids)
+        loc, owner = self._loc_mv, self._owner_mv
+        slots = [loc[i] for i in ids]
+        for i, slot in zip(ids, slots, strict=True):
+            loc[i] = -1
+            owner[slot] = -1
+        # Pushed in reverse: the next pop hands them out in this order.
         top = self.num_free_ids
-        slots: list[int]
-        if n > self.small_batch:
-            ids_np = np.asarray(ids, dtype=np.int64)
-            slots_np = self.loc_np[ids_np]
-            self.owner_np[slots_np] = -1
-            self.loc_np[ids_np] = -1
-            self._free_np[top : top + n] = ids_np[::-1]
-            slots = slots_np.tolist()
-        else:
-            loc, owner = self._loc_mv, self._owner_mv
-            slots = [loc[i] for i in ids]
-            for i, slot in zip(ids, slots, strict=True):
-                loc[i] = -1
-                owner[slot] = -1
-            # Pushed in reverse: the next pop hands them out in this order.
-            self._free_mv[top : top + n] = array(self._free_mv.format, reversed(ids))
+        self._free_mv[top : top + n] = array(self._free_mv.format, reversed(ids))
+        self._released(ids, slots)
+        return slots
+
+    def release_array(self, ids: np.ndarray) -> np.ndarray:
+        """:meth:`release` through numpy, for many ids."""
+        n = ids.size
+        slots = self.loc_np[ids]
+        self.owner_np[slots] = -1
+        self.loc_np[ids] = -1
+        self._free_np[self.num_free_ids : self.num_free_ids + n] = ids[::-1]
+        self._released(ids, slots)
+        return slots
+
+    def _released(self, ids: list[int] | np.ndarray, slots: list[int] | np.ndarray) -> None:
+        n = len(ids)
         self.num_free_ids += n
         self.num_live -= n
         if self.changed is not None:
             self._log(ids)
         if self.fenced_refs:
-            readers, writers = self._readers_mv, self._writers_mv
-            self.num_pending += sum(1 for s in slots if readers[s] > 0 or writers[s] > 0)
+            if isinstance(slots, np.ndarray):
+                self.num_pending += int(self._fenced_at(torch.from_numpy(slots)).sum())
+            else:
+                readers, writers = self._readers_mv, self._writers_mv
+                self.num_pending += sum(1 for s in slots if readers[s] > 0 or writers[s] > 0)
         self._add_holes(slots)
-        return slots
 
     def take_ids(self, slots: torch.Tensor | np.ndarray) -> torch.Tensor:
-        """:meth:`bind` for a tensor or array of slots; the ids as a tensor."""
-        return torch.tensor(self.bind(_np(slots).tolist()), dtype=_LONG)
+        """:meth:`bind_array` for a tensor or array of slots; the ids as a tensor."""
+        return torch.from_numpy(self.bind_array(_np(slots)))
 
     def release_ids(self, ids: torch.Tensor | np.ndarray) -> np.ndarray:
-        """:meth:`release` for a tensor or array of ids; the slots as an array."""
-        return np.asarray(self.release(_np(ids).tolist()), dtype=np.int64)
+        """:meth:`release_array` for a tensor or array of ids."""
+        return self.release_array(_np(ids))
 
     def relink(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Record that the blocks in ``src`` slots now live in ``dst`` slots."""

@@ -1,4 +1,10 @@
-"""Arena: alloc/free ids/s, compaction copy bandwidth vs contiguous copy_, admitted concurrency.
+"""Arena: alloc/free ids/s, an engine's steady request churn, compaction copy bandwidth vs
+contiguous copy_, admitted concurrency.
+
+Request churn is the arena's share of the store's steady state (``bench ops``): per request,
+``can_alloc`` fails, the oldest request's blocks are freed (``free_owned``, as eviction does),
+``can_alloc`` passes and the new request's blocks are allocated (``alloc_ids``); 24 KV blocks
+(high band) and 24 SWA blocks (floating band) each, on an accounting-only arena of each size.
 
 Admitted concurrency uses a real preset's envelope sizes on an accounting-only (meta) arena:
 requests arrive in a fixed seeded order and are admitted first-come-first-served until one does
@@ -10,6 +16,7 @@ different mix).
 from __future__ import annotations
 
 import argparse
+import collections
 import math
 import random
 import time
@@ -32,6 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compact-mib", type=int, default=128,
                         help="bytes moved per compaction round (MiB)")
     parser.add_argument("--requests", type=int, default=5000, help="requests in each mix")
+    parser.add_argument("--churn-slots", default="2000,500000",
+                        help="arena sizes (blocks per pool) for the request churn")
     parser.add_argument("--quick", action="store_true", help="fewer repeats (for the demo)")
 
 
@@ -45,6 +54,55 @@ def _alloc_free(batch: int, rounds: int) -> float:
         assert ids is not None
         arena.free("kv", ids)
     return 2 * batch * rounds / (time.perf_counter() - start)
+
+
+# ---------------------------------------------------------------- request churn
+def _churn(slots: int, requests: int, per_kind: int = 24) -> dict[str, float]:
+    """µs per request of the arena calls of one steady engine request (thread CPU time over
+    the loop; the split by call is wall time, so it may not add up under load)."""
+    unit = 256
+    arena = Arena(slots * 2 * unit, [PoolSpec("swa", unit, "float"),
+                                     PoolSpec("kv", unit, "high")], device="meta")
+    demand = {"kv": per_kind, "swa": per_kind}
+    held: collections.deque[tuple[list[int], list[int]]] = collections.deque()
+    while arena.can_alloc(demand):  # fill: every later request evicts the oldest
+        kv, swa = arena.alloc_ids("kv", per_kind), arena.alloc_ids("swa", per_kind)
+        assert kv is not None and swa is not None
+        held.append((kv, swa))
+    split = {"can_alloc": 0.0, "free": 0.0, "alloc": 0.0}
+    clock = time.perf_counter
+    start = time.thread_time()
+    for i in range(requests + 100):
+        if i == 100:  # the first 100 warm up
+            split = dict.fromkeys(split, 0.0)
+            start = time.thread_time()
+        t0 = clock()
+        fits = arena.can_alloc(demand)
+        t1 = clock()
+        kv, swa = held.popleft()
+        arena.free_owned("kv", kv)
+        arena.free_owned("swa", swa)
+        t2 = clock()
+        fits_now = arena.can_alloc(demand)
+        t3 = clock()
+        kv, swa = arena.alloc_ids("kv", per_kind), arena.alloc_ids("swa", per_kind)
+        t4 = clock()
+        assert not fits and fits_now and kv is not None and swa is not None
+        held.append((kv, swa))
+        split["can_alloc"] += t1 - t0 + t3 - t2
+        split["free"] += t2 - t1
+        split["alloc"] += t4 - t3
+    cpu = time.thread_time() - start
+    arena.check_integrity()
+    out = {"slots": slots, "us_per_request": cpu / requests * 1e6}
+    out.update({f"us_{k}": v / requests * 1e6 for k, v in split.items()})
+    return out
+
+
+def _churn_rows(sizes: list[int], requests: int) -> dict[str, object]:
+    rows = [_churn(n, requests) for n in sizes]
+    return {"blocks_per_request": {"kv": 24, "swa": 24}, "requests": requests, "rows": rows,
+            "growth": ratio(rows[-1]["us_per_request"], rows[0]["us_per_request"])}
 
 
 # ---------------------------------------------------------------- compaction
@@ -148,9 +206,11 @@ def run(args: argparse.Namespace) -> dict:
     repeat = 2 if args.quick else 5
     rounds = 200 if args.quick else 2000
     sizes = [int(s) * KiB for s in str(args.sizes_kib).split(",")]
+    churn_slots = [int(s) for s in str(args.churn_slots).split(",")]
     return {
         "alloc_free_single_ids_per_s": _alloc_free(1, rounds),
         "alloc_free_batch1k_ids_per_s": _alloc_free(1000, max(20, rounds // 20)),
+        "churn": _churn_rows(churn_slots, 300 if args.quick else 3000),
         "compaction": [_compaction(u, args.compact_mib * 2**20, repeat) for u in sizes],
         "concurrency": _concurrency(args),
         "torch": torch.__version__, "threads": torch.get_num_threads(),
@@ -162,6 +222,12 @@ def render(result: dict) -> str:
     lines = [
         f"alloc+free, single id:  {result['alloc_free_single_ids_per_s']:,.0f} ids/s",
         f"alloc+free, 1k batch:   {result['alloc_free_batch1k_ids_per_s']:,.0f} ids/s",
+        "",
+        "steady request churn (24 KV + 24 SWA blocks freed and allocated per request; µs per "
+        "request, thread CPU; the split is wall time):",
+        table(result["churn"]["rows"], ["slots", "us_per_request", "us_can_alloc", "us_free",
+                                        "us_alloc"]),
+        f"growth (largest / smallest size): {fmt_ratio(result['churn']['growth'])}",
         "",
         "compaction copy bandwidth vs one contiguous copy_ of the same bytes:",
         table(result["compaction"], ["envelope_kib", "moved_mib", "compact_gbps", "copy_gbps",
