@@ -96,7 +96,7 @@ def render(r: dict[str, Any]) -> str:
     """The comparison as text: per configuration, hits by tier, real bytes moved per tier
     pair, the disk's own I/O and the store's time."""
     out = (f"disk configuration ({r['model']}, {r['requests']} requests, working set "
-           f"{r['working_set_real_gib']:.1f} GiB real, run at scale {r['scale']:.3g}; disk "
+           f"{r['working_set_real_gib']:.1f} GiB real, run at scale 1/{1 / r['scale']:g}; disk "
            f"{'O_DIRECT' if r.get('disk_direct') else 'buffered'}):")
     for name, c in r["configs"].items():
         shares = ", ".join(f"{k} {v:.1%}" for k, v in c["hit_share"].items())
