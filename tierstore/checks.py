@@ -83,17 +83,17 @@ def counts(given: Mapping[str, torch.Tensor | None], kinds: Sequence[str], page_
     index holds (``cached`` pages), ``swa`` for at most every page, one page-aligned state."""
     kv, swa, state = given["kv"], given["swa"], given["state"]
     if "kv" in kinds:
-        got = 0 if kv is None else len(kv)
+        got = 0 if kv is None else kv.shape[0]  # (len() of a tensor costs more)
         if got > n_pages or got < n_pages - cached:
             need = (f"{n_pages} envelopes" if cached == 0
                     else f"{n_pages - cached} to {n_pages} envelopes (the first {cached} "
                          f"pages are cached)")
             raise ShapeError(f"kv: {n_pages} full pages of {page_size} tokens need {need}, "
                              f"got {got}")
-    if swa is not None and len(swa) > n_pages:
+    if swa is not None and swa.shape[0] > n_pages:
         raise ShapeError(f"swa: at most {n_pages} envelopes (one per page), got {len(swa)}")
     if state is not None:
-        if len(state) != 1:
+        if state.shape[0] != 1:
             raise ShapeError(f"state: one checkpoint per insert, got {len(state)}")
         if n_tokens != n_pages * page_size or n_pages == 0:
             raise ShapeError(f"state: a checkpoint needs a page-aligned prefix; {n_tokens} "

@@ -27,6 +27,7 @@ _NAMESPACE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$")
 _TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 TENANT_MARK = "|"
 _UINT32_MAX = 2**32 - 1
+_I8, _U8, _U4 = np.dtype("<i8"), np.dtype("<u8"), np.dtype("<u4")
 
 
 def check_namespace(namespace: object, *, scoped: bool = True) -> str:
@@ -63,6 +64,13 @@ def as_tokens(tokens: object) -> np.ndarray:
     Accepts a sequence of ints, a numpy integer array, a torch integer tensor, or packed
     little-endian uint32 ``bytes``; raises TokenError for anything else or out-of-range ids.
     One conversion and one range check for the whole array: no per-token Python work."""
+    if type(tokens) is np.ndarray and tokens.dtype == _I8 and tokens.ndim == 1:
+        # what engines hand over most (numpy's default integer): viewed unsigned, a negative
+        # id is above the range too, so one reduction checks both ends
+        if tokens.size and int(tokens.view(_U8).max()) > _UINT32_MAX:
+            raise TokenError(f"token ids must be in [0, 2**32), got range [{tokens.min()}, "
+                             f"{tokens.max()}]")
+        return tokens.astype(_U4)
     if isinstance(tokens, (bytes, bytearray, memoryview)):
         raw = memoryview(tokens).cast("B")
         if raw.nbytes % 4:

@@ -70,8 +70,13 @@ class Ledger:
     def hit(self, tokens_by_tier: dict[int, int]) -> None:
         """A served request: matched tokens per source tier (1, 2, 3; 4: disk)."""
         self.requests_hit += 1
-        self.tokens_hit += sum(tokens_by_tier.values())
+        total = sum(tokens_by_tier.values())
+        self.tokens_hit += total
         hit = self.hit_tokens
+        if tokens_by_tier.get(1) == total and 4 not in tokens_by_tier:  # all from L1
+            hit["l1"] += total
+            self.hit_requests["l1"] += 1
+            return
         for tier, n in tokens_by_tier.items():
             name = _NAMES[tier]
             hit[name] = hit.get(name, 0) + n

@@ -269,6 +269,10 @@ class Mover:
         source tier. Status: ``ok``; ``no_room`` (L1 could not make room; nothing loaded);
         ``partial`` (some entries were missing in L3 and are now marked absent there);
         ``unavailable`` (an L3 call failed or timed out; L3 marks are kept for later)."""
+        window = self.layout.swa_window_pages()
+        if self._all_in_l1(path, pages, window):  # the common hit: nothing to bring up
+            return "ok", ({1: pages, 2: 0, 3: 0, 4: 0} if self.disk is not None
+                          else {1: pages, 2: 0, 3: 0})
         wanted, sources = self.wanted(path, pages)
         demand = {k: len(v) for k, v in wanted.items() if v}
         if not demand:

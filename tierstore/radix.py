@@ -61,14 +61,15 @@ class Node:
         self.parent = parent
         self.depth = depth
         self.keys: list[bytes] = keys if keys is not None else []
-        n = len(self.keys)
-        # [tier - 1][kind] -> per-page entries; [tier - 1] -> checkpoint entry
-        self._pages: tuple[dict[str, list[int]], ...] = tuple(
-            {k: [ABSENT] * n for k in PAGE_KINDS} for _ in TIERS)
-        self._state = [ABSENT] * len(TIERS)
-        self._held = [0] * len(TIERS)  # entries >= 0 per tier
-        self._child_held = [0] * len(TIERS)  # children holding anything, per tier
-        self.queued = [0] * len(TIERS)  # the eviction queue's stamp per tier (0: not queued)
+        a = [ABSENT] * len(self.keys)
+        # [tier - 1][kind] -> per-page entries; [tier - 1] -> checkpoint entry (one per tier)
+        self._pages: tuple[dict[str, list[int]], ...] = (
+            {"kv": a[:], "swa": a[:]}, {"kv": a[:], "swa": a[:]}, {"kv": a[:], "swa": a[:]},
+            {"kv": a, "swa": a[:]})
+        self._state = [ABSENT, ABSENT, ABSENT, ABSENT]
+        self._held = [0, 0, 0, 0]  # entries >= 0 per tier
+        self._child_held = [0, 0, 0, 0]  # children holding anything, per tier
+        self.queued = [0, 0, 0, 0]  # the eviction queue's stamp per tier (0: not queued)
         self.children: dict[bytes, Node] = {}
         self.lock = 0
         self.last_use = 0.0  # logical clock: orders LRU deterministically
@@ -138,6 +139,7 @@ class RadixIndex:
         self.num_pages = 0
         self.key = key
         self.queues = {t: EvictionQueue(t, key) for t in TIERS}
+        self._queue_at = [self.queues[t] for t in TIERS]  # by tier - 1: the hot paths' lookup
 
     # ------------------------------------------------------------------ lookup
     def walk(self, keys: Sequence[bytes]) -> list[Segment]:
@@ -198,10 +200,15 @@ class RadixIndex:
         checkpoint under "state")."""
         t = tier - 1
         out: dict[str, list[int]] = {}
-        for kind, column in node._pages[t].items():
-            out[kind] = [v for v in column if v >= 0]
-            if out[kind]:
-                column[:] = [ABSENT] * len(column)
+        columns = node._pages[t]
+        for kind, column in columns.items():
+            if ABSENT not in column:  # held whole: the column is the list to hand back
+                out[kind] = column
+                columns[kind] = [ABSENT] * len(column)
+            else:
+                out[kind] = [v for v in column if v >= 0]
+                if out[kind]:
+                    column[:] = [ABSENT] * len(column)
         sid = node._state[t]
         out[CHECKPOINT] = [sid] if sid >= 0 else []
         node._state[t] = ABSENT
@@ -221,17 +228,20 @@ class RadixIndex:
         self._refresh(node, t)
 
     def _refresh(self, node: Node, t: int) -> None:
-        """Put ``node`` on / take it off tier ``t``'s eviction queue as its eligibility says."""
-        queue = self.queues[TIERS[t]]
-        if node.evictable(t + 1):
+        """Put ``node`` on / take it off tier ``t``'s eviction queue as its eligibility says
+        (:meth:`Node.evictable`, inlined: this runs on every residency change)."""
+        if (node.lock == 0 and node._held[t] > 0 and node._child_held[t] == 0
+                and node.parent is not None):
             if not node.queued[t]:
-                queue.push(node)
+                self._queue_at[t].push(node)
         elif node.queued[t]:
-            queue.discard(node)
+            self._queue_at[t].discard(node)
 
     def _refresh_all(self, node: Node) -> None:
+        held, queued = node._held, node.queued
         for t in range(len(TIERS)):
-            self._refresh(node, t)
+            if held[t] or queued[t]:  # neither: not a candidate and not queued, nothing to do
+                self._refresh(node, t)
 
     # ---------------------------------------------------------------- mutation
     def split(self, node: Node, pages: int) -> Node:
@@ -332,14 +342,16 @@ class RadixIndex:
         queued nodes move to their new place in the eviction order."""
         n: Node | None = node
         root = self.root
+        queue_at = self._queue_at
         while n is not None and n is not root:
             n.last_use = now
             n.used_at = wall
-            n.hits += int(hit)
+            n.hits += hit
             n.priority = priority
-            for t, stamp in enumerate(n.queued):
-                if stamp:
-                    self.queues[TIERS[t]].push(n)  # a new entry; the old one goes stale
+            if any(n.queued):
+                for t, stamp in enumerate(n.queued):
+                    if stamp:
+                        queue_at[t].push(n)  # a new entry; the old one goes stale
             n = n.parent
 
     # ------------------------------------------------------------------- walks
@@ -375,6 +387,8 @@ class RadixIndex:
             _require(len(n.keys) > 0 and all(len(col) == len(n.keys) for per in n._pages
                                              for col in per.values()),
                      f"node of {len(n.keys)} pages has columns of other lengths")
+            _require(all(min(col, default=0) >= ABSENT for per in n._pages for col in per.values())
+                     and min(n._state) >= ABSENT, f"{n!r}: an entry below ABSENT")
             _require(n.lock >= 0 and all(n.lock >= c.lock for c in n.children.values()),
                      "a child holds more locks than its parent")
             _require(all(k == c.keys[0] for k, c in n.children.items()), "child keyed wrongly")
