@@ -48,7 +48,9 @@ class AsyncClient:
         self.base_url = base_url.rstrip("/")
         self.retries = retries
         self.backoff_s = backoff_s
+        self.timeout_s = timeout_s
         headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.auth_headers = dict(headers)  # for same-host transports with their own sockets
         self._session = aiohttp.ClientSession(
             headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s),
             connector=aiohttp.TCPConnector(limit=64))

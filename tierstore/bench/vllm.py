@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from remote_tier.embedded import RedisServer
-from tierstore.bench._util import fmt_ratio, ratio, table
+from tierstore.bench._util import fmt_ratio, table
 from tierstore.layout import load_preset
 from tierstore.service.running import serve_process
 
@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="presets whose full-attention block sizes are measured")
     parser.add_argument("--blocks", type=int, default=128, help="blocks stored per round")
     parser.add_argument("--job-blocks", type=int, default=16, help="blocks per job")
-    parser.add_argument("--rounds", type=int, default=3, help="rotating rounds (median)")
+    parser.add_argument("--rounds", type=int, default=5, help="rotating rounds (median)")
     parser.add_argument("--threads", type=int, default=4,
                         help="tierstore tier's load and store threads (each)")
     parser.add_argument("--dir", default=None, help="parent of the fs tier's directory")
@@ -71,10 +71,12 @@ def run(args: argparse.Namespace) -> dict:
         from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
     except ImportError as exc:
         return {"available": False, "reason": f"{type(exc).__name__}: {exc}"}
+    load_before = os.getloadavg()
     results = [_preset(args, name, SecondaryTierFactory, TieringOffloadingSpec)
                for name in args.presets]
     return {"available": True, "blocks": args.blocks, "job_blocks": args.job_blocks,
-            "rounds": args.rounds, "threads": args.threads, "presets": results}
+            "rounds": args.rounds, "threads": args.threads, "presets": results,
+            "load_average": {"before": load_before, "after": os.getloadavg()}}
 
 
 def _spec(spec_cls: Any, model: str, row_bytes: int, rows: int) -> Any:
@@ -115,12 +117,13 @@ def _preset(args: argparse.Namespace, name: str, factory: Any, spec_cls: Any) ->
     with contextlib.ExitStack() as stack:
         tmp = stack.enter_context(tempfile.TemporaryDirectory(dir=args.dir))
         redis = stack.enter_context(RedisServer())
-        host = f"{-(-3 * working // 2**20)}MiB"
+        # 4x the working set: a principal may hold a quarter of it reserved (the service's
+        # default), i.e. every store job of a round in flight at once.
+        host = f"{-(-4 * working // 2**20)}MiB"
         shared = stack.enter_context(_serve(["--redis-url", redis.url, "--kv-host", host]))
         local = stack.enter_context(_serve(["--no-redis", "--kv-host", host]))
         ours = {"type": "TierStoreTier", "module_path": "tierstore.integrations.vllm",
-                "load_threads": args.threads, "store_threads": args.threads,
-                "max_batch": args.job_blocks}
+                "load_threads": args.threads, "store_threads": args.threads}
         tiers = {"fs": factory.create_secondary_tier({"type": "fs", "root_dir": tmp}, view,
                                                      spec),
                  "tierstore shm": factory.create_secondary_tier(
@@ -155,12 +158,22 @@ def _preset(args: argparse.Namespace, name: str, factory: Any, spec_cls: Any) ->
         rows.append({"tier": label, "store_blocks_s": n / store_s,
                      "store_gb_s": n * row / store_s / 1e9, "load_blocks_s": n / load_s,
                      "load_gb_s": n * row / load_s / 1e9})
-    fs_row = rows[0]
     return {"preset": name, "block_bytes": row, "fs_o_direct": o_direct,
             "page_cache": "/".join(sorted(cache_modes)), "rows": rows,
-            "vs_fs": {r["tier"]: {"store": ratio(r["store_blocks_s"], fs_row["store_blocks_s"]),
-                                  "load": ratio(r["load_blocks_s"], fs_row["load_blocks_s"])}
-                      for r in rows[1:]}}
+            "vs_fs": {label: _vs_fs(samples[label], samples["fs"])
+                      for label in order if label != "fs"}}
+
+
+def _vs_fs(ours: dict[str, list[float]], fs: dict[str, list[float]]) -> dict[str, Any]:
+    """Per operation: the ratio of throughputs in each round (fs seconds / ours, both timed
+    in that round), their median and minimum."""
+    out: dict[str, Any] = {}
+    for op in ("store", "load"):
+        per_round = [f / o for o, f in zip(ours[op], fs[op], strict=True)]
+        out[op] = statistics.median(per_round)
+        out[f"{op}_min"] = min(per_round)
+        out[f"{op}_rounds"] = per_round
+    return out
 
 
 def _round(tier: Any, tag: str, primary: np.ndarray, n: int, job_blocks: int, fs_dir: str,
@@ -266,6 +279,10 @@ def render(result: dict) -> str:
         lines.append(table(p["rows"], ["tier", "store_blocks_s", "store_gb_s",
                                        "load_blocks_s", "load_gb_s"]))
         for name, vs in p["vs_fs"].items():
-            lines.append(f"{name} / fs: store {fmt_ratio(vs['store'])}x, "
-                         f"load {fmt_ratio(vs['load'])}x")
+            lines.append(f"{name} / fs, per round median (min): store "
+                         f"{fmt_ratio(vs['store'])}x ({fmt_ratio(vs['store_min'])}x), load "
+                         f"{fmt_ratio(vs['load'])}x ({fmt_ratio(vs['load_min'])}x)")
+    before, after = result["load_average"]["before"], result["load_average"]["after"]
+    lines.append(f"load average (1/5/15 min): {'/'.join(f'{x:.1f}' for x in before)} before, "
+                 f"{'/'.join(f'{x:.1f}' for x in after)} after")
     return "\n".join(lines)

@@ -9,7 +9,10 @@ Every data call names the segment the client mapped (409 when it is not this ser
 - ``/v1/storage/shm_get`` pins the values of its keys under a read lease and answers
   ``[offset, length]`` per key (bytes inline for a value Redis had that host memory cannot
   take, nil for a miss); the client copies, then ``/v1/storage/shm_release`` ends the lease
-  (``released: false`` means it expired first and the copy must be discarded);
+  (``released: false`` means it expired first and the copy must be discarded). A client that
+  need not wait for that answer may instead name finished leases in the ``release`` list of
+  its next ``shm_get`` (or send them as ``leases`` in one ``shm_release``): one request less
+  per read;
 - ``/v1/storage/shm_reserve`` holds unpublished ranges; the client copies into them;
   ``/v1/storage/shm_commit`` makes them visible (and writes them through to Redis), or
   ``/v1/storage/shm_abort`` returns them. An uncommitted reservation is reclaimed after
@@ -107,7 +110,8 @@ class ShmRoutes:
                                                     "memory (no usable /dev/shm): use HTTP")
         return _msgpack({"segments": {"kv": {"name": segment.name, "nonce": segment.nonce,
                                              "nbytes": segment.nbytes}},
-                         "lease_ttl_s": self.service.config.lease_ttl_s})
+                         "lease_ttl_s": self.service.config.lease_ttl_s,
+                         "release_in_get": True})
 
     async def fetch(self, request: web.Request) -> web.Response:
         body = await read_body(request)
@@ -160,16 +164,24 @@ class ShmRoutes:
         body = await read_body(request)
         self._check(body)
         keys = self.service.keys(request, body)
+        done = _lease_ids(body, "release", self.service.config.max_batch)
+        who = principal(request).id
+        released = sum(self.kv.host.end_lease(lease, who) for lease in done)
         found = await self.kv.lookup(keys)
         pinned = [v for v in found if isinstance(v, Value)]
-        lease = self.kv.host.lease(pinned, principal(request).id) if pinned else None
+        lease = self.kv.host.lease(pinned, who) if pinned else None
         values = [[v.start, v.length] if isinstance(v, Value) else v for v in found]
-        return _msgpack({"lease": lease, "values": values})
+        return _msgpack({"lease": lease, "values": values, "released": released})
 
     async def release(self, request: web.Request) -> web.Response:
-        lease = field(await read_body(request), "lease", str)
-        return web.json_response({"released": self.kv.host.end_lease(lease,
-                                                                     principal(request).id)})
+        body = await read_body(request)
+        who = principal(request).id
+        if "leases" in body:  # a batch of finished reads whose answers nobody waits for
+            done = _lease_ids(body, "leases", self.service.config.max_batch)
+            return web.json_response({"released": sum(self.kv.host.end_lease(lease, who)
+                                                      for lease in done)})
+        lease = field(body, "lease", str)
+        return web.json_response({"released": self.kv.host.end_lease(lease, who)})
 
     async def reserve(self, request: web.Request) -> web.Response:
         who = require_write(request)  # before the body: a refused write reads none of it
@@ -234,6 +246,17 @@ class ShmRoutes:
         if field(body, "segment", str) != segment.name:
             raise HTTPError(409, "segment_changed", "the client mapped another segment: "
                                                    "attach again")
+
+
+def _lease_ids(body: dict[str, Any], name: str, limit: int) -> list[str]:
+    """The lease ids of list field ``name`` (none when absent); 400 when it is not a list of
+    strings, 413 beyond ``limit`` ids (checked before any lease ends)."""
+    ids = field(body, name, list, default=[])
+    if len(ids) > limit:
+        raise HTTPError(413, "batch_too_large", f"{len(ids)} leases exceed the limit of {limit}")
+    if not all(isinstance(i, str) for i in ids):
+        raise HTTPError(400, "bad_field", f"field {name!r} must be a list of lease ids")
+    return list(ids)
 
 
 def _msgpack(payload: dict[str, Any]) -> web.Response:

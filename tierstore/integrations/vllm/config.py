@@ -26,7 +26,8 @@ class VllmTierConfig:
     blocks' namespace (the model and its layout fingerprint are appended). ``transport``:
     ``auto`` maps the service's shared segment when it runs on this host, else HTTP.
     ``load_threads`` / ``store_threads``: the tier's own I/O threads (loads never queue behind
-    stores). ``present_ttl_s`` / ``absent_ttl_s``: how long a presence verdict is trusted
+    stores); each takes its share of the queued jobs as one request of up to ``max_batch``
+    blocks. ``present_ttl_s`` / ``absent_ttl_s``: how long a presence verdict is trusted
     before ``lookup`` asks the service again (an absent block may be stored by another engine
     meanwhile). ``probe_batch``: keys per existence request.
     """
@@ -35,8 +36,8 @@ class VllmTierConfig:
     auth_token: str | None = None
     namespace: str = "vllm"
     transport: Literal["auto", "shm", "http"] = "auto"
-    load_threads: int = 2
-    store_threads: int = 2
+    load_threads: int = 4
+    store_threads: int = 4
     present_ttl_s: float = 60.0
     absent_ttl_s: float = 1.0
     probe_batch: int = 1024

@@ -3,18 +3,18 @@
 vLLM's tiering manager calls it on the scheduler thread, under its lock; nothing here waits on
 the network there. ``lookup`` reads a presence cache that a probe thread refreshes in batches;
 ``submit_store`` / ``submit_load`` hand a job to the tier's own store / load threads, which
-copy each block between its row of vLLM's primary (CPU) memory and the service: straight
-into / out of the service's shared segment on the same host, else over HTTP. Finished jobs
+take the queued jobs in batches (one request per batch, see ``workers.py``) and copy each
+block between its row of vLLM's primary (CPU) memory and the service: straight into / out of
+the service's shared segment on the same host (a read's lease is ended with the next read's
+request, or when the threads go idle), else over HTTP. Finished jobs
 wait in a queue for ``get_finished_jobs``; a job that could not move every block is a failed
 job (vLLM recomputes what it lacks), never wrong bytes.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import queue
-import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -29,7 +29,7 @@ from tierstore.integrations.vllm import _vllm
 from tierstore.integrations.vllm.config import VllmTierConfig, block_key, block_namespace
 from tierstore.integrations.vllm.metrics import TierMetrics, metric_definitions
 from tierstore.integrations.vllm.presence import PresenceCache
-from tierstore.shm_client import copy_bytes
+from tierstore.integrations.vllm.workers import BatchWorkers
 
 log = logging.getLogger(__name__)
 
@@ -89,13 +89,13 @@ class TierStoreTier(_Base):
         self.presence = PresenceCache(self._probe, present_ttl_s=self.config.present_ttl_s,
                                       absent_ttl_s=self.config.absent_ttl_s,
                                       batch=self.config.probe_batch)
-        self._loads = concurrent.futures.ThreadPoolExecutor(
-            self.config.load_threads, thread_name_prefix="tierstore-vllm-load")
-        self._stores = concurrent.futures.ThreadPoolExecutor(
-            self.config.store_threads, thread_name_prefix="tierstore-vllm-store")
         self._finished: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._inflight: set[concurrent.futures.Future[None]] = set()
-        self._inflight_lock = threading.Lock()
+        self._loads: BatchWorkers[_Job] = BatchWorkers(
+            "tierstore-vllm-load", self.config.load_threads, self.config.max_batch,
+            self._run, self._fail, self._end_leases)
+        self._stores: BatchWorkers[_Job] = BatchWorkers(
+            "tierstore-vllm-store", self.config.store_threads, self.config.max_batch,
+            self._run, self._fail)
         log.info("tierstore vLLM tier %r at %s (%s), namespace %s, %d-byte blocks",
                  tier_type, self.config.url, self._io.mode, self.namespace,
                  self.block_size_bytes)
@@ -132,14 +132,13 @@ class TierStoreTier(_Base):
         keys = [bytes(k) for k in job_metadata.keys]
         chunk_ids = np.asarray(job_metadata.chunk_ids, dtype=np.int64)
         todo = [i for i, k in enumerate(keys) if not self.presence.is_present(k)]
-        job = _Job(job_metadata.job_id, [keys[i] for i in todo], chunk_ids[todo], False)
-        self._submit(self._stores, job)
+        self._stores.submit(_Job(job_metadata.job_id, [keys[i] for i in todo],
+                                 chunk_ids[todo], False))
 
     def submit_load(self, job_metadata: Any) -> None:
         """Queue a load of the job's blocks into its primary rows."""
-        job = _Job(job_metadata.job_id, [bytes(k) for k in job_metadata.keys],
-                   np.asarray(job_metadata.chunk_ids, dtype=np.int64), True)
-        self._submit(self._loads, job)
+        self._loads.submit(_Job(job_metadata.job_id, [bytes(k) for k in job_metadata.keys],
+                                np.asarray(job_metadata.chunk_ids, dtype=np.int64), True))
 
     def get_finished_jobs(self) -> Iterable[Any]:
         """Every job that finished since the last call (loads and stores)."""
@@ -152,18 +151,13 @@ class TierStoreTier(_Base):
 
     def has_pending_work(self) -> bool:
         """Jobs in flight (vLLM keeps stepping until they report)."""
-        with self._inflight_lock:
-            return bool(self._inflight)
+        return self._loads.busy or self._stores.busy
 
     def drain_jobs(self) -> None:
         """Wait until every submitted job has finished and is queued for
         ``get_finished_jobs`` (a copy in progress is never cut short)."""
-        while True:
-            with self._inflight_lock:
-                pending = list(self._inflight)
-            if not pending:
-                return
-            concurrent.futures.wait(pending)
+        self._loads.wait()
+        self._stores.wait()
 
     def get_stats(self) -> Any:
         """The tier's counters since the last call, as vLLM's offloading stats (None when
@@ -176,32 +170,36 @@ class TierStoreTier(_Base):
 
     def shutdown(self) -> None:
         """Finish jobs in flight, stop the threads, unmap the segment, close the client."""
-        self.drain_jobs()
-        self._loads.shutdown(wait=True)
-        self._stores.shutdown(wait=True)
+        self._loads.shutdown()
+        self._stores.shutdown()
         self.presence.close()
         self._io.close()
         # Drop the export of vLLM's primary memory, so that vLLM can unmap it.
         self._rows = np.empty((0, self.block_size_bytes), dtype=np.uint8)
 
     # ------------------------------------------------------------------ worker threads
-    def _submit(self, pool: concurrent.futures.ThreadPoolExecutor, job: _Job) -> None:
-        with self._inflight_lock:
-            future = pool.submit(self._run, job)
-            self._inflight.add(future)
-        future.add_done_callback(self._forget)
-
-    def _forget(self, future: concurrent.futures.Future[None]) -> None:
-        with self._inflight_lock:
-            self._inflight.discard(future)
-
-    def _run(self, job: _Job) -> None:
-        """Move the job's blocks; always queue exactly one result, whatever happens."""
+    def _run(self, jobs: list[_Job]) -> None:
+        """Move a batch of jobs' blocks with one call; report every job exactly once,
+        whatever happens."""
+        keys = [k for job in jobs for k in job.keys]
+        chunk_ids = np.concatenate([job.chunk_ids for job in jobs])
         try:
-            done = self._load(job) if job.is_load else self._store(job)
-        except Exception:  # a bug must not lose the job: vLLM would wait on it forever
-            self._log.warning("tierstore vLLM tier: job %d failed", job.job_id, exc_info=True)
-            done = [False] * len(job.keys)
+            done = (self._load if jobs[0].is_load else self._store)(keys, chunk_ids)
+        except Exception:  # a bug must not lose the jobs: vLLM would wait on them forever
+            self._log.warning("tierstore vLLM tier: %d jobs failed", len(jobs), exc_info=True)
+            done = [False] * len(keys)
+        start = 0
+        for job in jobs:
+            self._report(job, done[start:start + len(job.keys)])
+            start += len(job.keys)
+
+    def _fail(self, jobs: list[_Job]) -> None:
+        for job in jobs:
+            self._report(job, [False] * len(job.keys))
+
+    def _report(self, job: _Job, done: Sequence[bool]) -> None:
+        """Queue the job's result for ``get_finished_jobs``; a load that moved only some
+        blocks is a failed job naming those that arrived."""
         ok = [k for k, d in zip(job.keys, done, strict=True) if d]
         failed = [k for k, d in zip(job.keys, done, strict=True) if not d]
         if ok:
@@ -220,34 +218,43 @@ class TierStoreTier(_Base):
             successful_keys=successful, transfer_time=seconds,
             transfer_bytes=nbytes or None))
 
-    def _store(self, job: _Job) -> list[bool]:
-        rows, cids = self._rows, job.chunk_ids
-        if not job.keys:
+    def _store(self, keys: list[bytes], cids: np.ndarray) -> list[bool]:
+        rows = self._rows
+        if not keys:
             return []
 
         def fill(i: int, view: torch.Tensor) -> None:
-            copy_bytes(view, torch.from_numpy(rows[cids[i]]))
+            np.copyto(view.numpy(), rows[cids[i]])
 
         def blob(i: int) -> memoryview:
             return memoryview(rows[cids[i]])
 
-        keys = [block_key(k) for k in job.keys]
-        return self._io.write(self.namespace, keys, [self.block_size_bytes] * len(keys),
+        names = [block_key(k) for k in keys]
+        return self._io.write(self.namespace, names, [self.block_size_bytes] * len(names),
                               fill, blob)
 
-    def _load(self, job: _Job) -> list[bool]:
-        rows, cids, size = self._rows, job.chunk_ids, self.block_size_bytes
+    def _load(self, keys: list[bytes], cids: np.ndarray) -> list[bool]:
+        rows, size = self._rows, self.block_size_bytes
+        shm = self._io.transport()
+        if shm is not None:  # this tier's own transport: its threads end the leases
+            shm.defer_release = True
 
         def take(i: int, value: torch.Tensor) -> bool:
             if value.numel() != size:  # another layout's value, or a torn one: never served
                 self._log.warning("tierstore vLLM tier: a %d-byte value for a %d-byte block; "
                                   "treated as a miss", value.numel(), size)
                 return False
-            copy_bytes(torch.from_numpy(rows[cids[i]]), value)
+            np.copyto(rows[cids[i]], value.numpy())  # one memcpy, GIL released
             return True
 
-        keys = [block_key(k) for k in job.keys]
-        return self._io.read(self.namespace, keys, [size] * len(keys), take)
+        names = [block_key(k) for k in keys]
+        return self._io.read(self.namespace, names, [size] * len(names), take)
+
+    def _end_leases(self) -> None:
+        """Load threads going idle: end the read leases deferred so far (one request)."""
+        shm = self._io.transport()
+        if shm is not None:
+            shm.release_pending()
 
     def _probe(self, keys: Sequence[bytes]) -> list[bool] | None:
         """Per key whether the service holds it (probe thread); None when it could not say."""
