@@ -129,7 +129,11 @@ class Attribution:
         if walked > full:  # the index knows pages past the usable prefix: why not usable
             self._beyond(out, path, walked)
         if walked < n_full:
-            self._unknown(out, keys, walked)
+            first, ghost = hash(keys[walked]), self.ghost
+            if first in ghost._young or first in ghost._old:
+                self._unknown(out, keys, walked)
+            else:  # the usual: a new prompt's tail (see _unknown)
+                out.lost["cold"] = (n_full - walked) * self.page
         return out
 
     def _beyond(self, out: Explanation, path: Sequence[Segment], walked: int) -> None:
@@ -178,19 +182,16 @@ class Attribution:
             _add(out.evicted_from, "l3", (walked - found) * page)
 
     def _unknown(self, out: Explanation, keys: Sequence[bytes], walked: int) -> None:
-        """The reasons of pages past the index's walk: evicted (the ghost remembers them) or
-        cold. Remembered pages are a prefix of them: page keys are chained, so a page is cached
-        only under its parent and dropped no later than it (nodes are pruned deepest first, a
-        node's pages all at once), and the ghost forgets in the order it heard. So when the
-        first missing page is not remembered (a new prompt's tail: the usual case), none is,
-        and one lookup settles them all; else C-level maps count them per tier."""
+        """The reasons of pages past the index's walk, some of which the ghost remembers:
+        evicted (by the tier that dropped them last) or cold; C-level maps count them.
+        Remembered pages are a prefix of them: page keys are chained, so a page is cached only
+        under its parent and dropped no later than it (nodes are pruned deepest first, a node's
+        pages all at once), and the ghost forgets in the order it heard. So when the first
+        missing page is not remembered (a new prompt's tail: the usual case), none is, and
+        :meth:`explain` settles them with that one lookup instead of calling this."""
         ghost = self.ghost
         young, old = ghost._young, ghost._old
         page = self.page
-        first = hash(keys[walked])
-        if first not in young and first not in old:
-            out.lost["cold"] = (len(keys) - walked) * page
-            return
         hs = list(map(hash, keys[walked:]))
         tiers = list(map(young.get, hs, repeat(0)))
         counts = [tiers.count(t) for t in range(5)]  # cold, dropped by l1, l2, l3, disk
@@ -215,7 +216,38 @@ class Attribution:
         ``l3_unavailable``. Counted in the totals; takes ``why``'s dicts as the result."""
         page = self.page
         lost, evicted = why.lost, why.evicted_from
-        prev, reason = why.full, "l3_unavailable"
+        if served != why.full or len(plans) > 1:  # a try fell short of the all-tier prefix
+            self._short(lost, evicted, why.full, plans, served)
+        tail = n_tokens - n_pages * page
+        if tail:
+            lost["partial_page"] = tail
+        # The totals: plain ints per namespace (hits in pages; labels are built when read).
+        c = self._counts.get(namespace)
+        if c is None:
+            c = self._counts[namespace] = [0] * _SLOTS
+        for tier, n in sources.items():
+            c[tier] += n
+        for r, n in lost.items():
+            c[_LOST[r]] += n
+        if evicted:
+            for t, n in evicted.items():
+                c[_EVICTED[t]] += n
+        self._w_shared += max(sum(sources.values()), why.found)
+        if "no_checkpoint" in lost:
+            self._w_share.append(why.found * page)
+            self._w_next.append(why.next_checkpoint * page)
+        self._w_requests += 1
+        if self._w_requests >= self.window:
+            self._check_window()
+            self._reset_window()
+        return lost, evicted
+
+    def _short(self, lost: Counts, evicted: Counts, full: int, plans: PlanList,
+               served: int) -> None:
+        """The pages between the all-tier prefix (``full``) and what was served, by the
+        status of the promotion try that gave them up."""
+        page = self.page
+        prev, reason = full, "l3_unavailable"
         for planned, status in plans:
             if planned < prev:
                 self._lose(lost, evicted, reason, (prev - planned) * page)
@@ -223,31 +255,6 @@ class Attribution:
             reason = _STATUS_REASON.get(status, reason)
         if served < prev:  # every try was cut short (L3 kept losing pages): nothing was served
             self._lose(lost, evicted, reason, (prev - served) * page)
-        tail = n_tokens - n_pages * page
-        if tail:
-            lost["partial_page"] = tail
-        # The totals: plain ints per namespace (labels are built when read).
-        c = self._counts.get(namespace)
-        if c is None:
-            c = self._counts[namespace] = [0] * _SLOTS
-        hit = 0
-        for tier, n in sources.items():
-            if n:
-                c[tier] += n * page
-                hit += n
-        for r, n in lost.items():
-            c[_LOST[r]] += n
-        for t, n in evicted.items():
-            c[_EVICTED[t]] += n
-        self._w_requests += 1
-        self._w_shared += max(hit, why.found) * page
-        if "no_checkpoint" in lost:
-            self._w_share.append(why.found * page)
-            self._w_next.append(why.next_checkpoint * page)
-        if self._w_requests >= self.window:
-            self._check_window()
-            self._reset_window()
-        return lost, evicted
 
     @staticmethod
     def _lose(lost: Counts, evicted: Counts, reason: str, tokens: int) -> None:
@@ -264,7 +271,7 @@ class Attribution:
         return out
 
     def _reset_window(self) -> None:
-        self._w_requests = self._w_shared = 0
+        self._w_requests = self._w_shared = 0  # shared: pages of cached KV
         self._w_base = self._sums()  # the totals when the window began
         self._w_share: list[int] = []  # tokens of cached KV, per no_checkpoint request
         self._w_next: list[int] = []  # nearest checkpoint past it, per such request
@@ -272,7 +279,7 @@ class Attribution:
     def _window(self) -> tuple[int, int, Counts]:
         """The current window's prompt tokens, hit tokens and lost tokens by reason."""
         now = [a - b for a, b in zip(self._sums(), self._w_base, strict=True)]
-        hit = sum(now[1:5])
+        hit = sum(now[1:5]) * self.page
         lost = {r: now[i] for r, i in _LOST.items() if now[i]}
         return hit + sum(lost.values()), hit, lost
 
@@ -280,7 +287,7 @@ class Attribution:
         """Warn (at most every ``warn_every_s``) when under 2% of the window's tokens hit
         although at least 20% had their KV cached: prompts share prefixes the rule cannot use."""
         tokens, hit, _ = self._window()
-        if not tokens or hit > 0.02 * tokens or self._w_shared < 0.2 * tokens:
+        if not tokens or hit > 0.02 * tokens or self._w_shared * self.page < 0.2 * tokens:
             return
         now = time.monotonic()
         if now - self._last_warn < self.warn_every_s:
@@ -305,7 +312,7 @@ class Attribution:
                          f"{where}")
         return (f"prefix cache hit {hit / max(1, tokens):.1%} of {tokens:,} prompt "
                 f"tokens over the last {self._w_requests} requests although "
-                f"{self._w_shared / max(1, tokens):.0%} had their KV cached; "
+                f"{self._w_shared * self.page / max(1, tokens):.0%} had their KV cached; "
                 + "; ".join(parts))
 
     # ------------------------------------------------------------------ reading
@@ -316,7 +323,7 @@ class Attribution:
         out: dict[tuple[str, str, str], int] = {}
         for namespace, c in self._counts.items():
             tenant = self.tenant_of(namespace)
-            items = [((tenant, "hit", _TIERS[t]), c[t]) for t in range(1, 5)]
+            items = [((tenant, "hit", _TIERS[t]), c[t] * self.page) for t in range(1, 5)]
             items += [((tenant, r, ""), c[i]) for r, i in _LOST.items() if r != "evicted"]
             items += [((tenant, "evicted", t), c[i]) for t, i in _EVICTED.items()]
             for key, n in items:

@@ -120,9 +120,10 @@ class Shadow:
         self.page_bytes = units["kv"] + (units.get("swa", 0) if not window else 0)
         self.end_bytes = units.get("state", 0) + window * units.get("swa", 0)
         self.kinds = [k for k in ("kv", "swa", "state") if k in units]
-        # Tracked pages: key -> [slot, bytes, is_end]; slot order is recency (higher: more
-        # recent). The slots hold bytes / rate: distances come out unscaled.
-        self._pages: dict[bytes, list[int]] = {}
+        # Tracked pages: key -> slot << 1 | is_end (a plain int: no object per page for the
+        # garbage collector to walk; slot -1 while it moves). Slot order is recency (higher:
+        # more recent). The slots hold bytes / rate: distances come out unscaled.
+        self._pages: dict[bytes, int] = {}
         self._num_ends = 0
         self._slots = 4 * max_tracked + 64
         self._tree = _Slots([0.0] * self._slots)
@@ -131,6 +132,7 @@ class Shadow:
         self._old_ends: dict[bytes, None] = {}
         self._end_set: dict[bytes, None] = {}  # both generations: one lookup per page
         self._w_page = self._w_end = 0.0
+        self._wb = (0.0, 0.0)  # a slot's weighted bytes: a page's, an end's
         self._set_weights()
         self._pending: _Pending | None = None
         self.edges = self._edges()
@@ -161,6 +163,8 @@ class Shadow:
     def _set_weights(self) -> None:
         """Cache ``1/R`` of pages and ends (they change only with a rate)."""
         self._w_page, self._w_end = self._weight(False), self._weight(True)
+        self._wb = (self.page_bytes * self._w_page,
+                    (self.page_bytes + self.end_bytes) * self._w_end)
 
     def insert(self, keys: Sequence[bytes], checkpoint: bool) -> None:
         """An insert of a prompt's full pages (``keys``), with a checkpoint at its end."""
@@ -192,9 +196,9 @@ class Shadow:
                     ends = known[3]
                     assert ends is not None
                     ends.append(n - 1)
-                obj = self._pages.pop(last, None)
-                if obj is not None:  # a tracked page becomes an end: tracked anew below
-                    self._untrack(obj)
+                code = self._pages.pop(last, None)
+                if code is not None:  # a tracked page becomes an end: tracked anew below
+                    self._untrack(code)
         ends, sampled, _ = self._scan(keys, known)
         self._touch(keys, ends, sampled, create=True)
 
@@ -236,9 +240,10 @@ class Shadow:
         candidate end's distance puts it, then use the path an unbounded cache would serve."""
         self.tokens += n_tokens
         self.requests += 1
-        if self._pending is not None:  # the previous match was not followed by its insert
-            self._flush(self._pending)
+        pending = self._pending
+        if pending is not None:  # the previous match was not followed by its insert
             self._pending = None
+            self._flush(pending)
         if not keys:
             return
         ends, sampled, low = self._scan(keys)
@@ -255,12 +260,12 @@ class Shadow:
         refs = self._kind_refs
         last = ends[-1] if ends is not None else len(keys) - 1
         for i in sampled:
-            obj = pages.get(keys[i])
-            if obj is None:
+            code = pages.get(keys[i])
+            if code is None:
                 continue
             if i <= last:
                 touched.append(i)
-            b = bisect.bisect_left(edges, tree.suffix(obj[0], clock))  # its bytes + more recent
+            b = bisect.bisect_left(edges, tree.suffix(code >> 1, clock))  # its bytes + newer
             if ends is None:  # every page is a candidate: its own tokens hit at this size
                 weight = w_page
                 hist[b] += page * weight
@@ -290,48 +295,52 @@ class Shadow:
         join (as candidate ends where ``ends`` says so)."""
         pages = self._pages
         values, sums = self._tree.values, self._tree.sums
-        w_page, w_end = self._w_page, self._w_end
+        wb = self._wb
+        clock = self._clock
         for i in reversed(sampled):
             key = keys[i]
-            obj = pages.get(key)
-            if obj is None:
+            code = pages.get(key)
+            if code is None:
                 if not create:
                     continue
-                is_end = ends is not None and i in ends
-                obj = pages[key] = [-1, self.page_bytes + (self.end_bytes if is_end else 0),
-                                    int(is_end)]
+                is_end = 1 if ends is not None and i in ends else 0
                 self._num_ends += is_end
-            weighted = obj[1] * (w_end if obj[2] else w_page)
-            slot = obj[0]
-            if slot >= 0:
-                values[slot] -= weighted
-                sums[slot >> _SHIFT] -= weighted
-                obj[0] = -1  # off the stack while it moves: a compaction must not count it
-            if self._clock >= self._slots:
+            else:
+                is_end = code & 1
+                slot = code >> 1
+                if slot >= 0:
+                    values[slot] -= wb[is_end]
+                    sums[slot >> _SHIFT] -= wb[is_end]
+            if clock >= self._slots:
+                if code is not None:  # off the stack while the slots are renumbered
+                    pages[key] = -2 | is_end
+                self._clock = clock
                 self._compact()
-                values, sums = self._tree.values, self._tree.sums
-            slot = obj[0] = self._clock
-            values[slot] += weighted
-            sums[slot >> _SHIFT] += weighted
-            self._clock += 1
+                values, sums, wb = self._tree.values, self._tree.sums, self._wb
+                clock = self._clock
+            pages[key] = clock << 1 | is_end
+            values[clock] = wb[is_end]  # slots at and past the clock are empty
+            sums[clock >> _SHIFT] += wb[is_end]
+            clock += 1
+        self._clock = clock
         if len(pages) - self._num_ends > self.max_tracked or self._num_ends > self.max_tracked:
             self._lower_rate()
 
-    def _untrack(self, obj: list[int]) -> None:
-        if obj[0] >= 0:
-            self._tree.add(obj[0], -obj[1] * self._weight(bool(obj[2])))
-        self._num_ends -= obj[2]
+    def _untrack(self, code: int) -> None:
+        if code >= 0:
+            self._tree.add(code >> 1, -self._wb[code & 1])
+        self._num_ends -= code & 1
 
     def _compact(self) -> None:
         """Renumber the live slots 0..n-1 in recency order, at the current weights (slots ran
         out, or a rate changed)."""
         self._set_weights()
-        w_page, w_end = self._w_page, self._w_end
-        live = sorted((obj[0], obj) for obj in self._pages.values() if obj[0] >= 0)
+        wb, pages = self._wb, self._pages
+        live = sorted((code, key) for key, code in pages.items() if code >= 0)  # slot order
         values = [0.0] * self._slots
-        for slot, (_, obj) in enumerate(live):
-            obj[0] = slot
-            values[slot] = obj[1] * (w_end if obj[2] else w_page)
+        for slot, (code, key) in enumerate(live):
+            pages[key] = slot << 1 | code & 1
+            values[slot] = wb[code & 1]
         self._tree = _Slots(values)
         self._clock = len(live)
 
@@ -341,18 +350,18 @@ class Shadow:
         while len(self._pages) - self._num_ends > self.max_tracked and self.threshold > 1:
             self.threshold //= 2
             limit = self._page_limit = _limit(self.threshold)
-            self._drop([key for key, obj in self._pages.items()
-                        if not obj[2] and not key < limit])
+            self._drop([key for key, code in self._pages.items()
+                        if not code & 1 and not key < limit])
         while self._num_ends > self.max_tracked and self.end_threshold > 1:
             self.end_threshold //= 2
             ethr = self.end_threshold
-            self._drop([key for key, obj in self._pages.items()
-                        if obj[2] and not _end_sampled(key, ethr)])
+            self._drop([key for key, code in self._pages.items()
+                        if code & 1 and not _end_sampled(key, ethr)])
         self._compact()
 
     def _drop(self, gone: list[bytes]) -> None:
         for key in gone:
-            self._num_ends -= self._pages.pop(key)[2]
+            self._num_ends -= self._pages.pop(key) & 1
 
     # ------------------------------------------------------------------ curves
     def _edges(self) -> list[float]:
