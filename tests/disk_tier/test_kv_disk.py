@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -163,6 +164,9 @@ def test_http_values_beyond_host_memory_are_read_back_from_disk(tmp_path: Path) 
             assert kv.disk is not None
             kv.disk.check_integrity()
             kv.host.check_integrity()
+            assert c.stats()["service"]["kv"]["disk_keys"] == 11
+            with urllib.request.urlopen(f"{svc.url}/metrics", timeout=30) as reply:
+                assert b"tierstore_kv_disk_bytes " in reply.read()
     finally:
         svc.stop()
     again = serve(tmp_path)  # a clean stop checkpointed the disk copy's index

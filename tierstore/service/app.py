@@ -237,8 +237,11 @@ class Service:
         self.metrics.store.snapshot = await self.run(self.store.stats)
         remote = self.kv.remote
         self.metrics.store.kv_errors = {} if remote is None else dict(remote.stats().errors)
+        kv = self.kv.stats()
         self.metrics.store.extra = {"leases_active": len(self.leases),
-                                    "kv_host_bytes": self.kv.stats()["host_bytes"]}
+                                    "kv_host_bytes": kv["host_bytes"],
+                                    **({"kv_disk_bytes": kv["disk_used_bytes"]}
+                                       if "disk_used_bytes" in kv else {})}
         body = generate_latest(self.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
