@@ -6,7 +6,9 @@ Each contender is built by vLLM 0.33's ``SecondaryTierFactory`` over one primary
 vLLM's tiering manager drives it: jobs of ``--job-blocks`` blocks submitted at once
 (``submit_store`` / ``submit_load``), then ``get_finished_jobs`` polled until all report.
 Block sizes are those of two real presets: a 16-token block of every full-attention layer
-(bf16, one TP rank). Contenders, in rotating order per round (median of ``--rounds``):
+(bf16, one TP rank). Contenders (each round runs fs and ``tierstore shm`` back to back,
+which first alternating, then the others; per-round ratios, their median and minimum over
+``--rounds``):
 
 - ``fs``: vLLM's filesystem tier on a temporary directory (``--dir``), its default 16 + 16
   threads; O_DIRECT where the filesystem takes it, else buffered (reported);
@@ -20,10 +22,13 @@ Block sizes are those of two real presets: a 16-token block of every full-attent
 One untimed warm-up round per contender first (segment pages, directories, connections).
 Each round stores fresh keys, then (untimed) drops the page cache and waits for the service's
 background Redis writes, then loads every block into other rows (bytes checked, untimed). The
-fs tier is not fsynced, as vLLM runs it. ``echo 1 > /proc/sys/vm/drop_caches`` is tried first;
-where it is refused, ``posix_fadvise(DONTNEED)`` on every file of the fs tier (reported as
-``page_cache``). Needs vLLM (``pip install --no-deps vllm==0.33.0`` and
-``pip install 'tierstore[vllm]'``) and ``redis-server``/valkey.
+fs tier is not fsynced, as vLLM runs it. ``--drop fadvise`` (default): ``sync`` and
+``posix_fadvise(DONTNEED)`` on every file of the fs tier, i.e. exactly the pages that would
+let its loads skip the disk; ``--drop drop_caches``: ``echo 1 > /proc/sys/vm/drop_caches``
+(root only; it also evicts every process's code pages, which the contender loading next pays
+for; refused, it falls back to fadvise). Which one ran is reported as ``page_cache``.
+Needs vLLM (``pip install --no-deps vllm==0.33.0`` and ``pip install 'tierstore[vllm]'``)
+and ``redis-server``/valkey.
 """
 
 from __future__ import annotations
@@ -63,6 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=4,
                         help="tierstore tier's load and store threads (each)")
     parser.add_argument("--dir", default=None, help="parent of the fs tier's directory")
+    parser.add_argument("--drop", choices=("fadvise", "drop_caches"), default="fadvise",
+                        help="how the fs tier's pages leave the page cache before its loads")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -142,11 +149,14 @@ def _preset(args: argparse.Namespace, name: str, factory: Any, spec_cls: Any) ->
         order = list(tiers)
         for label in order:  # untimed: first touch of segments, directories, connections
             _round(tiers[label], f"{name}/warm/{label}", primary, n, args.job_blocks, tmp,
-                   urls.get(label))
+                   urls.get(label), args.drop)
         for r in range(args.rounds):
-            for label in order[r % len(order):] + order[:r % len(order)]:
+            pair = ["fs", "tierstore shm"][::1 if r % 2 == 0 else -1]
+            others = [label for label in order if label not in pair][::1 - 2 * (r % 2)]
+            for label in pair + others:
                 store_s, load_s, mode = _round(tiers[label], f"{name}/{r}/{label}", primary,
-                                               n, args.job_blocks, tmp, urls.get(label))
+                                               n, args.job_blocks, tmp, urls.get(label),
+                                               args.drop)
                 samples[label]["store"].append(store_s)
                 samples[label]["load"].append(load_s)
                 if label == "fs":
@@ -177,7 +187,7 @@ def _vs_fs(ours: dict[str, list[float]], fs: dict[str, list[float]]) -> dict[str
 
 
 def _round(tier: Any, tag: str, primary: np.ndarray, n: int, job_blocks: int, fs_dir: str,
-           url: str | None) -> tuple[float, float, str]:
+           url: str | None, drop: str = "fadvise") -> tuple[float, float, str]:
     """Seconds to store rows [0, n) under fresh keys, and to load them into rows [n, 2n);
     how the page cache was dropped in between."""
     from vllm.v1.kv_offload.base import ReqContext, make_offload_key
@@ -201,7 +211,7 @@ def _round(tier: Any, tag: str, primary: np.ndarray, n: int, job_blocks: int, fs
         tier.submit_store(job)
     _wait(tier, len(stores), tag)
     store_s = time.perf_counter() - start
-    mode = _drop_page_cache(fs_dir)
+    mode = _drop_page_cache(fs_dir, drop)
     while url is not None and _behind_bytes(url):  # untimed: Redis writes still behind
         time.sleep(0.001)
     start = time.perf_counter()
@@ -247,13 +257,15 @@ def _behind_bytes(url: str) -> int:
     return 0 if stats is None else int(stats["service"]["kv"].get("redis_behind_bytes", 0))
 
 
-def _drop_page_cache(directory: str) -> str:
-    """Drop the page cache between rounds: every clean page where the kernel lets us, else
-    the pages of the fs tier's files (``fadvise``). Which one happened."""
+def _drop_page_cache(directory: str, how: str = "fadvise") -> str:
+    """Take the fs tier's pages out of the page cache: every clean page of the machine
+    (``drop_caches``, where the kernel lets us) or those of the tier's files (``fadvise``).
+    Which one happened."""
     os.sync()
-    with contextlib.suppress(OSError), open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("1\n")
-        return "drop_caches"
+    if how == "drop_caches":
+        with contextlib.suppress(OSError), open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+            return "drop_caches"
     for root, _dirs, files in os.walk(directory):
         for file in files:
             with contextlib.suppress(OSError):

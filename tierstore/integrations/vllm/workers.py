@@ -5,8 +5,8 @@ vLLM submits a step's jobs together (16 blocks each by default); a request per j
 same control work on both sides of the connection whatever its size, so a thread that wakes
 takes the oldest job and, while more wait, its share of them (the queue split across the
 threads that are free, at most ``max_keys`` blocks): fewer, larger requests, and every free
-thread still copying. ``on_idle`` runs when a thread finds the queue empty (the tier ends
-its deferred read leases there).
+thread still copying. ``on_idle`` runs when the last busy thread finds the queue empty (the
+tier ends its deferred read leases there: one request per burst of jobs).
 """
 
 from __future__ import annotations
@@ -42,7 +42,9 @@ class BatchWorkers(Generic[J]):
         self._cond = threading.Condition()
         self._max_keys = max_keys
         self._run_batch, self._on_error, self._on_idle = run_batch, on_error, on_idle
+        self._threads_n = threads
         self._free = threads  # threads waiting for work
+        self._ran = False  # a batch ran since the last idle work
         self._unfinished = 0  # queued + running jobs
         self._stop = False
         self._threads = [threading.Thread(target=self._loop, name=f"{name}-{i}", daemon=True)
@@ -93,7 +95,11 @@ class BatchWorkers(Generic[J]):
     def _loop(self) -> None:
         while True:
             with self._cond:
-                if not self._queue and not self._stop and self._on_idle is not None:
+                # The last thread to go idle runs the idle work (once per burst of jobs,
+                # never while another thread's request is in flight).
+                if not self._queue and not self._stop and self._on_idle is not None and \
+                        self._free == self._threads_n and self._ran:
+                    self._ran = False
                     self._cond.release()  # idle work runs unlocked
                     try:
                         self._on_idle()
@@ -106,6 +112,7 @@ class BatchWorkers(Generic[J]):
                     return
                 batch = self._take()
                 self._free -= 1
+                self._ran = True
             try:
                 self._run_batch(batch)
             except Exception:
