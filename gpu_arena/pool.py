@@ -23,11 +23,12 @@ class Pool:
     slot with a fence is *pending*: it still belongs to the band and is not reused.
     """
 
-    # Stale entries the hole heap may hold beyond 4x its holes before a sweep drops them
-    # (tests lower it to sweep often). Small: stale entries far from the anchor never surface,
-    # and a heap of a few thousand of them makes every pop dearer; a sweep stays amortised
-    # O(1) per stale entry at any slack, as it waits for 3x the holes in stale entries.
-    sweep_slack = 64
+    # Stale entries the hole heap may hold beyond twice its holes before a sweep drops them
+    # (tests lower it to sweep often). Small: stale entries far from the anchor never surface
+    # (a slot at the band's inner edge, trimmed off and taken back through the gap, leaves one
+    # each time), and every take sorts or pops past them; a sweep stays amortised O(1) per
+    # stale entry, as at least half of what it reads is stale.
+    sweep_slack = 16
     # Ids per call up to which binding and releasing loop over memoryviews of the tables, and
     # past which they use numpy: a numpy call costs ~1 µs before it does anything, a memoryview
     # item ~50 ns. A request's 24 blocks are below it, a bulk fill of thousands far above.
@@ -134,7 +135,7 @@ class Pool:
 
     def _add_holes(self, slots: Sequence[int] | np.ndarray) -> None:
         """Remember ``slots`` as possible holes (validated when they surface)."""
-        if len(self._holes) > 4 * (self.num_holes + len(slots)) + self.sweep_slack:
+        if len(self._holes) > 2 * (self.num_holes + len(slots)) + self.sweep_slack:
             # Mostly stale: drop the stale entries (amortised O(1) per stale entry).
             self.visited += self._holes.sweep(self.lo, self.hi, bool(self.fenced_refs))
         self._holes.add(slots)

@@ -26,7 +26,7 @@ class ArenaMachine(RuleBasedStateMachine):
         super().__init__()
         self.arena = Arena(CAPACITY, POOLS, device=self.DEVICE)
         for pool, small in zip(self.arena._pools.values(), (0, 2, 64), strict=True):
-            pool.sweep_slack = 0  # sweep the hole heap often (real pools wait for 64 stale)
+            pool.sweep_slack = 0  # sweep the hole heap often (real pools wait for 16 stale)
             # Bind and release through numpy (state), both paths by size (swa) and the
             # memoryview loops (kv): they must agree.
             pool.small_batch = small
