@@ -50,14 +50,18 @@ def test_bench_replay_disk_configuration(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []  # the disk's temporary directory is gone
 
 
-def test_bench_sglang_adapter_on_disk_against_hicachefile(tmp_path: Path) -> None:
+def test_bench_sglang_adapter_on_disk_against_hicachefile(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """In this process: SGLang's import is the slow part, and the adapter's tests share it."""
     pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
-    done = subprocess.run([sys.executable, "-m", "tierstore", "bench", "sglang", "--json",
-                           "--only-disk", "--cold", "--batch", "4", "--batches", "2",
-                           "--rounds", "1", "--page-tokens", "16", "--dir", str(tmp_path)],
-                          capture_output=True, text=True, check=True, timeout=600)
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    from tierstore.cli import main
+
+    assert main(["bench", "sglang", "--json", "--only-disk", "--cold", "--batch", "4",
+                 "--batches", "2", "--rounds", "1", "--page-tokens", "16", "--dir",
+                 str(tmp_path)]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["cold"] and {r["backend"] for r in result["rows"]} == {
         "HiCacheFile", "tierstore on disk"}
     assert all(r["set_durable_mb_s"] > 0 for r in result["rows"])
     assert set(result["vs_file"]["tierstore on disk (v1)"]) == {"set", "get", "set_durable"}
+    assert list(tmp_path.iterdir()) == []
