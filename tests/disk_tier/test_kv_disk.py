@@ -234,3 +234,43 @@ def test_a_sigkilled_service_s_values_are_found_again(tmp_path: Path) -> None:
             assert c.batch_get([f"x{i}" for i in range(5)], NS) == data(5, 20000, seed=8)
     finally:
         svc.stop()
+
+
+def test_a_read_cancelled_while_the_disk_fills_it_gives_its_host_ranges_back(
+        tmp_path: Path) -> None:
+    import asyncio
+    import threading
+
+    from tierstore.service.kv import KeyValueStore
+
+    gate = threading.Event()
+
+    async def scenario() -> None:
+        kv = KeyValueStore(1 << 20, None, shared=False, disk=opened(tmp_path))
+        try:
+            assert kv.disk is not None
+            await kv.batch_set(["a", "b"], data(2, 3 * CHUNK, seed=9))
+            assert await kv.drop_host_copies() == 2
+            slow = kv.disk.get_into
+
+            def held(*args: object) -> list[bool]:
+                gate.wait(30)
+                return slow(*args)  # type: ignore[arg-type]
+
+            kv.disk.get_into = held  # type: ignore[method-assign,assignment]
+            task = asyncio.ensure_future(kv.batch_get(["a", "b"]))
+            await asyncio.sleep(0.2)  # it now waits on the disk thread with two ranges held
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            gate.set()
+            await asyncio.sleep(0.5)
+            kv.disk.get_into = slow  # type: ignore[method-assign]
+            assert kv.host.slots.used_bytes == 0  # given back, nothing published
+            kv.host.check_integrity()
+            assert await kv.batch_get(["a", "b"]) == data(2, 3 * CHUNK, seed=9)
+        finally:
+            gate.set()
+            await kv.aclose()
+
+    asyncio.run(scenario())

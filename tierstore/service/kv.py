@@ -204,7 +204,20 @@ class KeyValueStore:
             else:
                 targets.append(None if length is None else np.empty(length, np.uint8))
             ranges.append(value)
-        got = await self._on_disk(self.disk.get_into, digests, targets)
+        assert self._disk_thread is not None
+        fill = asyncio.get_running_loop().run_in_executor(self._disk_thread, self.disk.get_into,
+                                                          digests, targets)
+        try:
+            got = await asyncio.shield(fill)
+        except BaseException:  # cancelled: give the ranges back once the disk is done
+            def give_back(_: object) -> None:
+                for value in ranges:
+                    if value is not None:
+                        value.pins = 0
+                        self.host.abandon(value)
+
+            fill.add_done_callback(give_back)
+            raise
         for i, ok, value, target in zip(missing, got, ranges, targets, strict=True):
             if value is not None:
                 value.pins = 0
