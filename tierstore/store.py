@@ -319,13 +319,18 @@ class TierStore:
         cached = sum(s.pages for s in path)
         checks.counts(given, self.kinds, page, n_pages, len(toks), cached)
         lists: dict[str, list[int] | None] = dict.fromkeys(given)
+        as_bytes = False
         for kind, blocks in given.items():
-            if blocks is not None and blocks.dtype == torch.long:
-                lists[kind] = blocks.tolist()
-                checks.owned_ids(kind, lists[kind], self.ledger, path, n_pages)  # type: ignore[arg-type]
+            if blocks is None:
+                continue
+            if blocks.dtype == torch.long:
+                ids = lists[kind] = blocks.tolist()
+                checks.owned_ids(kind, ids, self.ledger, path, n_pages)
+            else:
+                as_bytes = True
 
         # Bytes: copy into fresh blocks first, so a shortfall changes nothing.
-        need = checks.bytes_demand(given, path, n_pages)
+        need = checks.bytes_demand(given, path, n_pages) if as_bytes else {}
         demand = {k: sum(m) for k, m in need.items() if any(m)}
         if demand:
             anchor = self.index.node_ending_at(path) if path else None
