@@ -243,7 +243,7 @@ def test_a_read_cancelled_while_the_disk_fills_it_gives_its_host_ranges_back(
 
     from tierstore.service.kv import KeyValueStore
 
-    gate = threading.Event()
+    gate, entered = threading.Event(), threading.Event()
 
     async def scenario() -> None:
         kv = KeyValueStore(1 << 20, None, shared=False, disk=opened(tmp_path))
@@ -254,17 +254,20 @@ def test_a_read_cancelled_while_the_disk_fills_it_gives_its_host_ranges_back(
             slow = kv.disk.get_into
 
             def held(*args: object) -> list[bool]:
+                entered.set()
                 gate.wait(30)
                 return slow(*args)  # type: ignore[arg-type]
 
             kv.disk.get_into = held  # type: ignore[method-assign,assignment]
             task = asyncio.ensure_future(kv.batch_get(["a", "b"]))
-            await asyncio.sleep(0.2)  # it now waits on the disk thread with two ranges held
-            task.cancel()
+            loop = asyncio.get_running_loop()
+            assert await loop.run_in_executor(None, entered.wait, 30)
+            task.cancel()  # it waits on the disk thread with two host ranges held
             with pytest.raises(asyncio.CancelledError):
                 await task
             gate.set()
-            await asyncio.sleep(0.5)
+            await kv._on_disk(lambda: None)  # the disk thread is past the read (FIFO) ...
+            await asyncio.sleep(0)  # ... and the loop has run the give-back callback
             kv.disk.get_into = slow  # type: ignore[method-assign]
             assert kv.host.slots.used_bytes == 0  # given back, nothing published
             kv.host.check_integrity()
