@@ -20,15 +20,19 @@ def _pool() -> Pool:
 
 
 def _random_step(pool: Pool, rng: random.Random) -> None:
-    """One take, release or move of up to three blocks."""
+    """One take, release or move of up to three blocks (array or list paths)."""
     live = torch.nonzero(pool.owner >= 0).flatten().tolist()
     free = torch.nonzero(pool.owner < 0).flatten().tolist()
-    op = rng.choice(["take", "release", "move"])
+    op = rng.choice(["take", "release", "move", "bind", "unbind"])
     n = rng.randint(1, 3)
     if op == "take" and len(free) >= n:
         pool.take_ids(torch.tensor(rng.sample(free, n)))
     elif op == "release" and len(live) >= n:
         pool.release_ids(pool.owner[torch.tensor(rng.sample(live, n))])
+    elif op == "bind" and len(free) >= n:  # the list paths (alloc_ids, free_owned)
+        pool.bind(rng.sample(free, n))
+    elif op == "unbind" and len(live) >= n:
+        pool.release([int(pool.owner[s]) for s in rng.sample(live, n)])
     elif op == "move" and live and free:
         n = min(n, len(live), len(free))
         pool.relink(torch.tensor(rng.sample(live, n)), torch.tensor(rng.sample(free, n)))
@@ -77,5 +81,14 @@ def test_the_log_keeps_its_own_copy_of_the_ids() -> None:
     mirror = pool.loc.clone()
     ids = pool.take_ids(torch.tensor([3, 4]))
     ids[0] = 40  # the caller reuses its tensor
+    pool.patch(mirror)
+    assert torch.equal(mirror, pool.loc)
+
+
+def test_the_log_copies_list_ids() -> None:
+    pool = _pool()
+    mirror = pool.loc.clone()
+    ids = pool.bind([3, 4])
+    ids[0] = 40  # the caller owns its list
     pool.patch(mirror)
     assert torch.equal(mirror, pool.loc)
