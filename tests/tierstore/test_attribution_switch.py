@@ -133,3 +133,28 @@ def test_one_lookup_shortcut_equals_counting_every_page() -> None:
         attribution.explain = checked_explain  # type: ignore[method-assign]
         _run(s, _workload(seed=10 + seed, n=300))
     assert checked > 100 and remembered > 10  # both paths ran
+
+
+def test_bench_ops_runs_the_loop_with_accounting_on_and_off() -> None:
+    """``bench ops --accounting-off``: two bare loops, on and off, on the same prompts; both
+    hit alike, and the rise is reported per phase (no timed assertion: a figure)."""
+    import argparse
+    import json
+
+    from tierstore.bench import ops
+
+    parser = argparse.ArgumentParser()
+    ops.add_arguments(parser)
+    args = parser.parse_args(["--model", "qwen3-next-80b-a3b", "--sizes", "300",
+                              "--requests", "40", "--real-pages", "0", "--turn", "16",
+                              "--accounting-off"])
+    result = ops.run(args)
+    json.dumps(result)
+    row = result["rows"][0]
+    assert {"accounting-on", "accounting-off"} <= set(row["systems"])
+    for phase in ("fill", "steady"):
+        figures = row["accounting"][phase]
+        assert figures["same_hits"] and figures["failed"] == 0
+        assert figures["on_us"] > 0 and figures["off_us"] > 0 and figures["rise"] is not None
+    assert result["max_accounting_rise"] == row["accounting"]["steady"]["rise"]
+    assert "accounting on/off at 300 pages" in ops.render(result)
