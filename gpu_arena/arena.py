@@ -127,13 +127,18 @@ class Arena:
     def can_alloc(self, request: Mapping[str, int]) -> bool:
         """Whether allocating all of ``request`` ({pool: n}) would succeed, counting the gap and
         every byte compaction can reclaim in any pool. Changes nothing."""
-        pools = {name: self._pool(name) for name in request}
-        counts = {name: _count(name, n) for name, n in request.items()}
+        pools = self._pools
+        counts: dict[str, int] = {}
+        for name, n in request.items():  # one pass, as the store asks twice per request
+            if name not in pools:
+                self._pool(name)  # raises, naming the pools
+            counts[name] = n if type(n) is int and n >= 0 else _count(name, n)
         if self._fences:
             self._retire()
-        if all(n <= pools[name].num_holes for name, n in counts.items()):
-            return True  # holes alone hold it: no plan needed (a plan would find the same)
-        return self._plan(counts) is not None
+        for name, n in counts.items():
+            if n > pools[name].num_holes:
+                return self._plan(counts) is not None
+        return True  # holes alone hold it: no plan needed (a plan would find the same)
 
     def max_alloc(self, pool: str) -> int:
         """The most blocks of ``pool`` one allocation could get now (after compaction). Changes
