@@ -91,10 +91,10 @@ class TierStoreTier(_Base):
                                       batch=self.config.probe_batch)
         self._finished: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._loads: BatchWorkers[_Job] = BatchWorkers(
-            "tierstore-vllm-load", self.config.load_threads, self.config.max_batch,
+            "tierstore-vllm-load", self.config.load_threads, self._batch_keys,
             self._run, self._fail, self._end_leases)
         self._stores: BatchWorkers[_Job] = BatchWorkers(
-            "tierstore-vllm-store", self.config.store_threads, self.config.max_batch,
+            "tierstore-vllm-store", self.config.store_threads, self._batch_keys,
             self._run, self._fail)
         log.info("tierstore vLLM tier %r at %s (%s), namespace %s, %d-byte blocks",
                  tier_type, self.config.url, self._io.mode, self.namespace,
@@ -178,6 +178,13 @@ class TierStoreTier(_Base):
         self._rows = np.empty((0, self.block_size_bytes), dtype=np.uint8)
 
     # ------------------------------------------------------------------ worker threads
+    def _batch_keys(self) -> int:
+        """Blocks one request may take from several queued jobs: through the segment a
+        request costs the same control work whatever its size, so jobs go together; over
+        HTTP the bytes travel in the request, and parallel requests of one job each
+        pipeline better (measured ~1.5x) than one large one."""
+        return self.config.max_batch if self._io.mode == "shm" else 0
+
     def _run(self, jobs: list[_Job]) -> None:
         """Move a batch of jobs' blocks with one call; report every job exactly once,
         whatever happens."""

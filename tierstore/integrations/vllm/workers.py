@@ -4,9 +4,10 @@ with one request to the service.
 vLLM submits a step's jobs together (16 blocks each by default); a request per job costs the
 same control work on both sides of the connection whatever its size, so a thread that wakes
 takes the oldest job and, while more wait, its share of them (the queue split across the
-threads that are free, at most ``max_keys`` blocks): fewer, larger requests, and every free
-thread still copying. ``on_idle`` runs when the last busy thread finds the queue empty (the
-tier ends its deferred read leases there: one request per burst of jobs).
+threads that are free, at most ``max_keys()`` blocks, asked per batch: 0 runs every job
+alone): fewer, larger requests, and every free thread still copying. ``on_idle`` runs when
+the last busy thread finds the queue empty (the tier ends its deferred read leases there:
+one request per burst of jobs).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class BatchWorkers(Generic[J]):
     ``on_error``, so that none is lost (vLLM would wait on it forever).
     """
 
-    def __init__(self, name: str, threads: int, max_keys: int,
+    def __init__(self, name: str, threads: int, max_keys: Callable[[], int],
                  run_batch: Callable[[list[J]], None], on_error: Callable[[list[J]], None],
                  on_idle: Callable[[], None] | None = None) -> None:
         self._queue: collections.deque[J] = collections.deque()
@@ -84,9 +85,9 @@ class BatchWorkers(Generic[J]):
         """The oldest job and, while more wait, this thread's share of them (called locked)."""
         share = -(-len(self._queue) // max(1, self._free))
         batch = [self._queue.popleft()]
-        keys = len(batch[0].keys)
+        keys, limit = len(batch[0].keys), self._max_keys()
         while self._queue and len(batch) < share and \
-                keys + len(self._queue[0].keys) <= self._max_keys:
+                keys + len(self._queue[0].keys) <= limit:
             job = self._queue.popleft()
             batch.append(job)
             keys += len(job.keys)
