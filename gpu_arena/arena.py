@@ -11,7 +11,7 @@ import torch
 
 import kernels
 from gpu_arena import compaction
-from gpu_arena.fence import Fence, FenceMode
+from gpu_arena.fence import Fence, FenceMode, Fences
 from gpu_arena.ids import IdsLike, checked_ids
 from gpu_arena.planner import Plan, ceil_div, plan
 from gpu_arena.pool import Pool
@@ -82,7 +82,7 @@ class Arena:
             self._pools[spec.name] = Pool(spec, origin, max_slots, lo)
         by_anchor = {p.anchor: p for p in self._pools.values()}
         self._low, self._float, self._high = (by_anchor.get(a) for a in ("low", "float", "high"))
-        self._fences: list[Fence] = []
+        self._fences = Fences(self._pools)
         self._views = Views(self._buf)
         self.compactions = 0
 
@@ -134,7 +134,7 @@ class Arena:
                 self._pool(name)  # raises, naming the pools
             counts[name] = n if type(n) is int and n >= 0 else _count(name, n)
         if self._fences:
-            self._retire()
+            self._fences.retire()
         for name, n in counts.items():
             if n > pools[name].num_holes:
                 return self._plan(counts) is not None
@@ -144,7 +144,7 @@ class Arena:
         """The most blocks of ``pool`` one allocation could get now (after compaction). Changes
         nothing; agrees with :meth:`can_alloc`."""
         p = self._pool(pool)
-        self._retire()
+        self._fences.retire()
         lo, hi = 0, p.max_slots - p.num_live - p.num_pending
         while lo < hi:  # largest n with a plan; plans are monotone in n
             mid = (lo + hi + 1) // 2
@@ -261,10 +261,7 @@ class Arena:
         if event is None and self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        p.add_fence(slots, mode == "write", +1)
-        fence = Fence(p.name, slots, mode, event)
-        self._fences.append(fence)
-        return fence
+        return self._fences.add(p, slots, mode, event)
 
     def copy_to(
         self, pool: str, ids: IdsLike, dest: Arena, dest_ids: IdsLike,
@@ -304,7 +301,7 @@ class Arena:
         (the float band packs toward its low side); at most ``max_moves`` blocks. Blocks with a
         pending write fence stay; a moved block's old slot stays pending while readers of it are
         in flight. Returns the number of blocks moved."""
-        self._retire()
+        self._fences.retire()
         budget = max_moves if max_moves is not None else 1 << 62
         moved = 0
         for p in self._pools.values():
@@ -317,7 +314,7 @@ class Arena:
 
     def stats(self) -> ArenaStats:
         """Occupancy per pool, band edges, gap and moves so far."""
-        self._retire()
+        self._fences.retire()
         pools = {
             p.name: PoolStats(
                 unit_bytes=p.unit, anchor=p.anchor, live_blocks=p.num_live,
@@ -353,15 +350,7 @@ class Arena:
                         f"{previous_end} or the capacity {self.capacity_bytes}"
                     )
                 previous_end = p.end
-        for p in self._pools.values():
-            want_r = torch.zeros(p.max_slots, dtype=torch.int32)
-            want_w = torch.zeros(p.max_slots, dtype=torch.int32)
-            for f in self._fences:
-                if f.pool == p.name:
-                    counts = want_w if f.mode == "write" else want_r
-                    counts.index_add_(0, f.slots, torch.ones_like(f.slots, dtype=torch.int32))
-            if not (torch.equal(want_r, p.readers) and torch.equal(want_w, p.writers)):
-                raise IntegrityError(f"pool {p.name}: fence counts disagree with pending fences")
+        self._fences.check()
 
     # ================================================================ internals
     def _pool(self, name: str) -> Pool:
@@ -392,7 +381,7 @@ class Arena:
         ``small_batch``), compacting when holes and the gap are not enough; ``None`` (nothing
         changed) when even that cannot make room."""
         if self._fences:
-            self._retire()
+            self._fences.retire()
         if n <= p.num_holes:  # the steady state: reuse what eviction freed, nothing moves
             holes = p.take_holes(n)
             return holes if n <= p.small_batch else np.asarray(holes, dtype=np.int64)
@@ -449,23 +438,6 @@ class Arena:
 
     def _plan(self, request: Mapping[str, int]) -> Plan | None:
         return plan(self._low, self._float, self._high, self.capacity_bytes, request)
-
-    def _retire(self) -> None:
-        """Drop fences whose work has finished; their slots become movable / reusable."""
-        if not self._fences:
-            return
-        still: list[Fence] = []
-        touched: set[str] = set()
-        for f in self._fences:
-            if f.done():
-                p = self._pools[f.pool]
-                p.add_fence(f.slots, f.mode == "write", -1)
-                touched.add(f.pool)
-            else:
-                still.append(f)
-        self._fences = still
-        for name in touched:
-            self._pools[name].trim()
 
 
 def _count(pool: str, n: object) -> int:

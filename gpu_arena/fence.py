@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from typing import Literal
 
 import torch
+
+from gpu_arena.pool import Pool
+from gpu_arena.spec import IntegrityError
 
 FenceMode = Literal["read", "write"]
 
@@ -58,3 +62,52 @@ class Fence:
 
     def __repr__(self) -> str:
         return f"Fence({self.pool!r}, {self.mode}, n={self.slots.numel()}, done={self.done()})"
+
+
+class Fences:
+    """An arena's pending fences, counted on the slots they cover: registered by
+    :meth:`add`, dropped by :meth:`retire` once their work has finished."""
+
+    def __init__(self, pools: Mapping[str, Pool]) -> None:
+        self._pools = pools
+        self._pending: list[Fence] = []
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def add(self, p: Pool, slots: torch.Tensor, mode: FenceMode,
+            event: torch.cuda.Event | None) -> Fence:
+        """Count a new fence on ``slots`` of ``p``: they neither move nor get reused until it
+        retires."""
+        p.add_fence(slots, mode == "write", +1)
+        fence = Fence(p.name, slots, mode, event)
+        self._pending.append(fence)
+        return fence
+
+    def retire(self) -> None:
+        """Drop fences whose work has finished; their slots become movable / reusable."""
+        if not self._pending:
+            return
+        still: list[Fence] = []
+        touched: set[str] = set()
+        for f in self._pending:
+            if f.done():
+                self._pools[f.pool].add_fence(f.slots, f.mode == "write", -1)
+                touched.add(f.pool)
+            else:
+                still.append(f)
+        self._pending = still
+        for name in touched:
+            self._pools[name].trim()
+
+    def check(self) -> None:
+        """Raise IntegrityError unless every pool's fence counts are its pending fences."""
+        for p in self._pools.values():
+            want_r = torch.zeros(p.max_slots, dtype=torch.int32)
+            want_w = torch.zeros(p.max_slots, dtype=torch.int32)
+            for f in self._pending:
+                if f.pool == p.name:
+                    counts = want_w if f.mode == "write" else want_r
+                    counts.index_add_(0, f.slots, torch.ones_like(f.slots, dtype=torch.int32))
+            if not (torch.equal(want_r, p.readers) and torch.equal(want_w, p.writers)):
+                raise IntegrityError(f"pool {p.name}: fence counts disagree with pending fences")
