@@ -166,7 +166,7 @@ class RadixIndex:
     def next_victim(self, tier: int) -> Node | None:
         """The eviction candidate of ``tier`` that the policy evicts first, or None. Changes
         nothing: the caller evicts it (which takes it off the queue) before asking again."""
-        return self.queues[Tier(tier)].peek()
+        return self._queue_at[tier - 1].peek()  # (Tier(tier) costs ~2 us, as much as the peek)
 
     # ---------------------------------------------------------------- residency
     def set(self, node: Node, tier: int, kind: str, j: int, value: int) -> None:
