@@ -40,7 +40,7 @@ from tierstore.ghost import DEFAULT_CAPACITY, GhostIndex
 
 if TYPE_CHECKING:
     from tierstore.layout import ModelLayout
-    from tierstore.radix import Segment
+    from tierstore.radix import Node, Segment
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +81,9 @@ class Explanation:
         self.next_checkpoint = 0  # pages: the nearest checkpoint past ``found`` on the path
 
 
-def _has_checkpoint(node: object) -> bool:
-    ck = node.checkpoint  # type: ignore[attr-defined]
+def _has_checkpoint(node: Node) -> bool:
+    """Some tier holds the state checkpoint at the node's end."""
+    ck = node.checkpoint
     return ck(1) >= 0 or ck(2) >= 0 or ck(3) >= 0 or ck(4) >= 0
 
 
