@@ -302,11 +302,10 @@ def test_lookup_asks_the_service_only_from_the_probe_thread(
     probe = client.exists_each
 
     def recording(*args: Any, **kwargs: Any) -> Any:
-        import threading
         threads.append(threading.current_thread().name)
         return probe(*args, **kwargs)
 
-    client.exists_each = recording  # type: ignore[method-assign]
+    client.exists_each = recording  # type: ignore[attr-defined]
     keys = keys_of("probe", 40)
     assert engine.lookup(keys) == [LookupResult.MISS] * 40
     assert threads and set(threads) == {"tierstore-vllm-probe"}
@@ -415,7 +414,7 @@ def test_a_store_while_the_service_is_down_is_a_failed_job_and_then_backpressure
         submitted.append(job.job_id)
         submit(job)
 
-    writer.tier.submit_store = counting  # type: ignore[method-assign]
+    writer.tier.submit_store = counting  # type: ignore[method-assign,assignment]
     for i in range(4):
         writer.store(random_blocks(keys_of(f"down-{i}", 2), seed=10 + i))
     assert len(submitted) == 2  # two failed jobs put the tier under pressure: stores dropped
@@ -463,7 +462,7 @@ def test_tenants_do_not_share_blocks(redis_server: RedisServer, tmp_path: Path,
 
 
 # ------------------------------------------------------------------ batched jobs
-def load_jobs(keys: list[bytes], per_job: int, first_row: int, first_id: int) -> list[Any]:
+def load_jobs(keys: list[Any], per_job: int, first_row: int, first_id: int) -> list[Any]:
     """Load jobs as vLLM's tiering manager submits them, straight to the tier."""
     from vllm.v1.kv_offload.tiering.base import TransferJob
     ctx = ReqContext(req_id=f"jobs-{first_id}")
@@ -501,7 +500,7 @@ def test_queued_loads_share_a_request_and_each_job_reports(
         assert gate.wait(30)
         return load(names, rows)
 
-    tier._load = held  # type: ignore[method-assign]
+    tier._load = held  # type: ignore[method-assign,assignment]
     jobs = load_jobs(keys, 3, 40, 100)
     tier.submit_load(jobs[0])
     deadline = time.monotonic() + 30

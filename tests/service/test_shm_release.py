@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -87,10 +88,10 @@ def test_a_deferred_lease_rides_on_the_next_read(svc: RunningService,
     assert transport.get_into(["a"], NS, copier(got)) == [True]
     assert got == {0: b"x" * 100}
     assert leases(svc) == 1  # copied, but not released by a request of its own
-    sent: list[dict[str, object]] = []
+    sent: list[dict[str, Any]] = []
     call = transport._control.call
 
-    def spy(path: str, body: dict[str, object]) -> object:
+    def spy(path: str, body: dict[str, Any]) -> Any:
         reply = call(path, body)
         sent.append({"path": path, **body, "reply": reply})
         return reply
@@ -100,7 +101,7 @@ def test_a_deferred_lease_rides_on_the_next_read(svc: RunningService,
     assert got[0] == b"y" * 200
     (request,) = sent  # one request: the read, carrying the first read's lease
     assert request["path"] == "/v1/storage/shm_get" and len(request["release"]) == 1
-    assert request["reply"]["released"] == 1  # type: ignore[index]
+    assert request["reply"]["released"] == 1
     assert leases(svc) == 1  # the second read's, deferred in turn
     assert transport.release_pending() == 1
     assert leases(svc) == 0
