@@ -130,7 +130,7 @@ class Attribution:
         if walked > full:  # the index knows pages past the usable prefix: why not usable
             self._beyond(out, path, walked)
         if walked < n_full:
-            first, ghost = hash(keys[walked]), self.ghost
+            first, ghost = keys[walked], self.ghost
             if first in ghost._young or first in ghost._old:
                 self._unknown(out, keys, walked)
             else:  # the usual: a new prompt's tail (see _unknown)
@@ -193,7 +193,7 @@ class Attribution:
         ghost = self.ghost
         young, old = ghost._young, ghost._old
         page = self.page
-        hs = list(map(hash, keys[walked:]))
+        hs = keys[walked:]
         tiers = list(map(young.get, hs, repeat(0)))
         counts = [tiers.count(t) for t in range(5)]  # cold, dropped by l1, l2, l3, disk
         if counts[0] and old:

@@ -1,16 +1,19 @@
 """The ghost index: a bounded memory of page keys that left the cache from every tier.
 
 Telling ``evicted`` from ``cold`` needs to know what was once cached. Two generations of
-``{fingerprint: tier}`` (ARC's ghost list, kept as generations so forgetting is O(1)): a
+``{page key: tier}`` (ARC's ghost list, kept as generations so forgetting is O(1)): a
 dropped page goes into the young generation; when it holds ``capacity / 2`` entries the old
 generation is forgotten whole and the young one takes its place. So the index remembers at
 least the last ``capacity / 2`` drops and never more than ``capacity`` (plus one node's pages).
 
-The fingerprint is Python's ``hash`` of the 32-byte page key: bytes cache their hash, so a
-lookup costs no hashing pass, and at 64 bits two keys share a fingerprint with probability
-~n/2^64 (a false ``evicted`` once in ~10^13 lookups at a million entries). Cost: 75-100
-bytes per remembered page (a dict entry, its int key and the index slot; tracemalloc measured
-75 at 200,000 entries), so 20-26 MB at the default 2^18 entries.
+The entries are keyed by the page keys themselves (the bytes objects the index held): an add
+creates no object per page (bytes cache their hash, computed when the index used them), where
+a fingerprint per page (``hash(key)``, a new 64-bit int each) cost 1.8x the time of an add
+(``bench ops``: the ghost's add was the largest single part of the accounting). Cost: the
+key stays alive (65 bytes with its header, 72 as allocated), plus the dict entry and index
+slot: 105-140 bytes per remembered page (sys.getsizeof: 105 at 32k entries), 28-37 MB at the
+default 2^18 entries (fingerprints: 75-100 bytes, 20-26 MB). Lookups compare whole keys: no
+false ``evicted``.
 """
 
 from __future__ import annotations
@@ -31,8 +34,8 @@ class GhostIndex:
             raise ValueError(f"ghost capacity must be >= 2 pages, got {capacity}")
         self.capacity = capacity
         self._half = capacity // 2
-        self._young: dict[int, int] = {}
-        self._old: dict[int, int] = {}
+        self._young: dict[bytes, int] = {}
+        self._old: dict[bytes, int] = {}
         self.forgotten = 0  # entries dropped with a generation
 
     def __len__(self) -> int:
@@ -43,12 +46,11 @@ class GhostIndex:
         C-level update per call, no Python step per page. The young generation may overrun
         its half by one call's keys before it ages."""
         young = self._young
-        young.update(zip(map(hash, keys), repeat(tier)))
+        young.update(zip(keys, repeat(tier)))
         if len(young) >= self._half:
             self.forgotten += len(self._old)
             self._old, self._young = young, {}
 
     def tier(self, key: bytes) -> int:
         """The tier that dropped ``key`` last, or 0 if the index does not remember it."""
-        h = hash(key)
-        return self._young.get(h) or self._old.get(h, 0)
+        return self._young.get(key) or self._old.get(key, 0)
