@@ -32,7 +32,11 @@ def test_rows_time_fill_and_steady_state_on_the_same_prompts() -> None:
         assert r["failed"] == 0 and r["evictions_per_request"] > 0
         # gpt-oss: the SWA band starts at byte 0, the KV band grows down to it: nothing moves.
         assert r["moved_per_allocated"] == 0
-        assert set(r["systems"]) >= {"tierstore", "floor"}
+        assert set(r["systems"]) >= {"tierstore", "tierstore-timed", "floor"}
+        # The headline is a second store run bare beside the timed one: same cache, same hits.
+        assert r["same_hits"] and r["timed_us_per_request"] > 0
+        assert r["systems"]["tierstore"]["evictions"] == r["systems"]["tierstore-timed"][
+            "evictions"]
         assert r["systems"]["floor"]["evictions"] > 0
     assert result["fill_growth"] is not None and result["growth"] is not None
     assert "fill (empty cache to the first eviction)" in ops.render(result)
