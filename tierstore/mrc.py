@@ -19,14 +19,18 @@ Tiers are read as one LRU hierarchy: L1 holds the most recent ``C1`` bytes, L2 t
 ``C2``, L3 the next ``C3``. A tier's curve at ``m`` times its size is ``H(above + m*C) -
 H(above)``, ``above`` being the bytes of the tiers over it. KV, SWA and state entries are
 counted separately as well (the share of referenced entries of each kind a size would hold).
+
+Events are queued and played :data:`BATCH` at a time (and before curves are read): in one pass
+the shadow's tables stay in cache; between the store's own work each request's few probes
+missed it (``bench ops``, qwen3-next at 2k pages: the shadow's ~44 us a request -> ~36).
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from itertools import compress
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tierstore.config import StoreConfig
@@ -44,6 +48,7 @@ DEFAULT_MAX_TRACKED = 16_384
 # Pages start sampled at 1/16 (candidate ends at 1): on the shipped trace that is within
 # 0.9 points of the unsampled curve, at a sixteenth of the per-page work.
 DEFAULT_RATE = 1 / 16
+BATCH = 64  # events (matches and inserts) queued before the shadow plays them
 
 
 def _limit(threshold: int) -> bytes:
@@ -135,6 +140,8 @@ class Shadow:
         self._wb = (0.0, 0.0)  # a slot's weighted bytes: a page's, an end's
         self._set_weights()
         self._pending: _Pending | None = None
+        self._queue: list[tuple[Callable[[Sequence[bytes], Any], None], Sequence[bytes], Any]] \
+            = []
         self.edges = self._edges()
         self._hist = [0.0] * (len(self.edges) + 1)  # hit tokens by distance bin, weighted
         self._kind_hist = {k: [0.0] * (len(self.edges) + 1) for k in self.kinds}
@@ -167,7 +174,30 @@ class Shadow:
                     (self.page_bytes + self.end_bytes) * self._w_end)
 
     def insert(self, keys: Sequence[bytes], checkpoint: bool) -> None:
-        """An insert of a prompt's full pages (``keys``), with a checkpoint at its end."""
+        """An insert of a prompt's full pages (``keys``), with a checkpoint at its end: queued
+        (see :meth:`reference`)."""
+        queue = self._queue
+        queue.append((self._insert, keys, checkpoint))
+        if len(queue) >= BATCH:
+            self.drain()
+
+    def reference(self, keys: Sequence[bytes], n_tokens: int) -> None:
+        """A match of ``n_tokens`` tokens whose full pages are ``keys``: queued, and played
+        with the events before it every :data:`BATCH` events (one pass keeps the shadow's
+        tables in cache, instead of a few probes per request between the store's own work;
+        the curves read the same). The store must not change ``keys`` afterwards."""
+        queue = self._queue
+        queue.append((self._reference, keys, n_tokens))
+        if len(queue) >= BATCH:
+            self.drain()
+
+    def drain(self) -> None:
+        """Play the queued events, in order."""
+        queue, self._queue = self._queue, []
+        for play, keys, arg in queue:
+            play(keys, arg)
+
+    def _insert(self, keys: Sequence[bytes], checkpoint: bool) -> None:
         if not keys:
             return
         pending, self._pending = self._pending, None
@@ -235,9 +265,9 @@ class Shadow:
         sampled.sort()
         return ends, sampled, low
 
-    def reference(self, keys: Sequence[bytes], n_tokens: int) -> None:
-        """A match of ``n_tokens`` tokens whose full pages are ``keys``: record where each
-        candidate end's distance puts it, then use the path an unbounded cache would serve."""
+    def _reference(self, keys: Sequence[bytes], n_tokens: int) -> None:
+        """A match: record where each candidate end's distance puts it, then use the path an
+        unbounded cache would serve."""
         self.tokens += n_tokens
         self.requests += 1
         pending = self._pending
@@ -399,6 +429,7 @@ class Shadow:
         serve at each (``hit_rate``), the whole cache's hit rate then (``total_hit_rate``,
         the tiers below kept as they are), and per kind the share of referenced entries it
         would hold. Plus the sampling state."""
+        self.drain()
         tokens = self.tokens or 1
         out: dict[str, object] = {}
         above = 0

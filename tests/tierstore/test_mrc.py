@@ -161,8 +161,8 @@ def test_curves_grow_with_size_and_bad_settings_are_refused() -> None:
 class _EagerShadow(Shadow):
     """The shadow touching a match's pages at once, as before the match -> insert fast path."""
 
-    def reference(self, keys: Sequence[bytes], n_tokens: int) -> None:
-        super().reference(keys, n_tokens)
+    def _reference(self, keys: Sequence[bytes], n_tokens: int) -> None:
+        super()._reference(keys, n_tokens)
         pending, self._pending = self._pending, None
         if pending is not None:
             self._flush(pending)
@@ -182,6 +182,33 @@ def test_a_match_touch_left_to_its_insert_changes_no_curve(max_tracked: int) -> 
                 s.insert(keys if n % 2 == 0 else keys[:-2] or keys, True)
     assert lazy.curves() == eager.curves()
     assert lazy.curves()["sampling"]["rate"] < 1  # type: ignore[index]
+
+
+class _UnqueuedShadow(Shadow):
+    """The shadow playing every event as it comes, as before events were queued."""
+
+    def reference(self, keys: Sequence[bytes], n_tokens: int) -> None:
+        self._reference(keys, n_tokens)
+
+    def insert(self, keys: Sequence[bytes], checkpoint: bool) -> None:
+        self._insert(keys, checkpoint)
+
+
+def test_queued_events_change_no_curve() -> None:
+    ops = workload(800, seed=6)
+    queued = Shadow({"l1": 20_000, "l2": 40_000}, UNITS, PAGE, max_tracked=64)
+    now = _UnqueuedShadow({"l1": 20_000, "l2": 40_000}, UNITS, PAGE, max_tracked=64)
+    for i, (op, keys, n) in enumerate(ops):
+        for s in (queued, now):
+            if op == "match":
+                s.reference(keys, n)
+            else:
+                s.insert(keys, True)
+        if i == 301:  # a read mid-way plays what is queued
+            assert queued._queue and queued.curves() == now.curves() and not queued._queue
+    assert queued._queue  # some events left queued at the end: curves() plays them
+    assert queued.curves() == now.curves()
+    assert queued.curves()["sampling"]["rate"] < 1  # type: ignore[index]
 
 
 def test_slot_sums_match_a_plain_sum() -> None:
