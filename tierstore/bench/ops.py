@@ -16,7 +16,11 @@ without the hybrid rule, tiers or an arena. With ``--vs vllm,sglang`` the same p
 through vLLM's ``KVCacheManager`` (hybrid and one-group) and SGLang's ``RadixCache`` where they
 import (:mod:`tierstore.bench._ops_vs`; skipped with the reason where not). Systems take turns
 of ``--turn`` requests (interleaved, so load on a shared machine hits all alike); times are the
-calling thread's CPU time. The per-operation figures come from a loop that reads the clock
+calling thread's CPU time. Before each turn the objects alive so far are frozen out of the
+cyclic collector's reach (``gc.freeze``, as servers do after start-up, vLLM included): a full
+collection walks every object of every system in the process, hundreds of thousands of tree
+nodes at large sizes, and would be charged to whichever system happened to trigger it. The
+per-operation figures come from a loop that reads the clock
 around each call (~17 reads a request, which the other systems do not pay); the headline
 (``us_per_request``, the ``vs_*`` ratios) from a second store run bare on the same prompts, as
 the other systems are run (``timed_us_per_request`` is the timed loop's total).
@@ -28,6 +32,7 @@ on real CPU bytes.
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
@@ -227,6 +232,7 @@ class _Clock:
 
     def run(self, system: System, prompts: list[np.ndarray]) -> None:
         step = system.step
+        gc.freeze()
         start = _now()
         for p in prompts:
             step(p)
@@ -264,6 +270,7 @@ def _measure(layout: ModelLayout, pages: int, args: argparse.Namespace, device: 
     before = store.arena.stats()
     while loop.evictions() == 0:  # the store leads each turn; the others follow its prompts
         turn = [next(prompts) for _ in range(args.turn)]
+        gc.freeze()
         start = _now()
         for i, p in enumerate(turn):
             loop.step(p)
@@ -315,6 +322,7 @@ def _measure(layout: ModelLayout, pages: int, args: argparse.Namespace, device: 
     for s in others:
         row[f"vs_{s.name}"] = ratio(us, steady.us(s.name))
         row[f"fill_vs_{s.name}"] = ratio(fill_us, fill.us(s.name))
+    gc.unfreeze()  # this row's systems may go: the collector may reach them again
     return row
 
 
