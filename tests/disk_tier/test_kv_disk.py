@@ -277,3 +277,50 @@ def test_a_read_cancelled_while_the_disk_fills_it_gives_its_host_ranges_back(
             await kv.aclose()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("change", ["put", "delete"])
+def test_a_write_or_delete_during_a_disk_read_is_not_undone_by_it(tmp_path: Path,
+                                                                 change: str) -> None:
+    """A read that found the old value on disk must not publish it into host memory over a
+    put (or after a delete) that ran while the disk thread read it."""
+    import asyncio
+    import threading
+
+    from tierstore.service.kv import KeyValueStore
+
+    gate, entered = threading.Event(), threading.Event()
+    old, new = data(2, 3 * CHUNK, seed=11)
+
+    async def scenario() -> None:
+        kv = KeyValueStore(1 << 20, None, shared=False, disk=opened(tmp_path))
+        try:
+            assert kv.disk is not None
+            await kv.batch_set(["a"], [old])
+            assert await kv.drop_host_copies() == 1
+            slow = kv.disk.get_into
+
+            def held(*args: object) -> list[bool]:
+                entered.set()
+                gate.wait(30)
+                return slow(*args)  # type: ignore[arg-type]
+
+            kv.disk.get_into = held  # type: ignore[method-assign,assignment]
+            reading = asyncio.ensure_future(kv.batch_get(["a"]))
+            loop = asyncio.get_running_loop()
+            assert await loop.run_in_executor(None, entered.wait, 30)
+            # The change runs on the loop now; its disk call queues behind the read.
+            changing = asyncio.ensure_future(kv.batch_set(["a"], [new]) if change == "put"
+                                             else kv.delete(["a"]))
+            await asyncio.sleep(0)
+            gate.set()
+            assert (await reading)[0] in (old, None)  # as of before the change, or a miss
+            await changing
+            kv.disk.get_into = slow  # type: ignore[method-assign]
+            assert await kv.batch_get(["a"]) == [new if change == "put" else None]
+            kv.host.check_integrity()
+        finally:
+            gate.set()
+            await kv.aclose()
+
+    asyncio.run(scenario())

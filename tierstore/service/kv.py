@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal, TypeVar
 
@@ -65,6 +65,11 @@ class KeyValueStore:
             if disk is not None else None
         self._disk_behind: set[asyncio.Task[None]] = set()
         self._disk_behind_bytes = 0
+        # Keys a disk read is fetching (how many reads) and the change number of a put or
+        # delete of one meanwhile: such a read must not publish its older bytes over it.
+        self._disk_reading: dict[str, int] = {}
+        self._changed_at: dict[str, int] = {}
+        self._changes = 0
         self.host = HostValues(capacity_bytes, ttl_s, shared=shared,
                                reservation_ttl_s=reservation_ttl_s)
         self.quota = ValueQuota()
@@ -94,6 +99,7 @@ class KeyValueStore:
         stored and, if not, why. A value Redis refused is not kept in host memory either.
         Large batches are copied into host memory by a worker thread, not on the loop."""
         tenant = tenant_of(keys[0]) if keys else ""
+        self._changing(keys)
         fits = len(keys)
         if limit is not None and keys:
             fits = await self._quota_room(tenant, limit, keys, [len(v) for v in values])
@@ -207,6 +213,9 @@ class KeyValueStore:
         assert self._disk_thread is not None
         fill = asyncio.get_running_loop().run_in_executor(self._disk_thread, self.disk.get_into,
                                                           digests, targets)
+        start = self._changes
+        for i in missing:
+            self._disk_reading[keys[i]] = self._disk_reading.get(keys[i], 0) + 1
         try:
             got = await asyncio.shield(fill)
         except BaseException:  # cancelled: give the ranges back once the disk is done
@@ -218,7 +227,17 @@ class KeyValueStore:
 
             fill.add_done_callback(give_back)
             raise
+        finally:
+            changed = {keys[i] for i in missing if self._changed_at.get(keys[i], -1) > start}
+            for i in missing:
+                left = self._disk_reading.pop(keys[i]) - 1
+                if left:
+                    self._disk_reading[keys[i]] = left
+                else:
+                    self._changed_at.pop(keys[i], None)
         for i, ok, value, target in zip(missing, got, ranges, targets, strict=True):
+            if keys[i] in changed:  # put or deleted while read: the disk had older bytes
+                ok = False
             if value is not None:
                 value.pins = 0
                 if not ok:
@@ -230,6 +249,14 @@ class KeyValueStore:
             elif ok and target is not None:
                 out[i] = target.tobytes()
             self.hits["disk"] += ok
+
+    def _changing(self, keys: Iterable[str]) -> None:
+        """Note a put or delete of ``keys`` for the disk reads fetching any of them."""
+        self._changes += 1
+        if self._disk_reading:
+            for key in keys:
+                if key in self._disk_reading:
+                    self._changed_at[key] = self._changes
 
     async def read(self, keys: Sequence[str]
                    ) -> tuple[list[memoryview | bytes | None], Callable[[], None]]:
@@ -283,6 +310,7 @@ class KeyValueStore:
 
     async def delete(self, keys: Sequence[str]) -> int:
         """Delete ``keys`` (of one tenant) everywhere; how many some tier held."""
+        self._changing(keys)
         if keys:
             self.quota.forget(tenant_of(keys[0]), keys)
         deleted = sum(self.host.drop(k) for k in set(keys))
@@ -336,6 +364,7 @@ class KeyValueStore:
             self.quota.charge(tenant, [k for k, _ in filled[:fits]],
                               [v.length for _, v in filled[:fits]])
         done = [(k, v) for k, v in items if v is not None]
+        self._changing([k for k, _ in done])
         for key, value in done:
             self.host.publish(key, value)
         self.sets += len(done)
