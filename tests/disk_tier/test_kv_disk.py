@@ -324,3 +324,47 @@ def test_a_write_or_delete_during_a_disk_read_is_not_undone_by_it(tmp_path: Path
             await kv.aclose()
 
     asyncio.run(scenario())
+
+
+def test_a_read_cancelled_during_its_disk_read_unpins_its_host_hits(tmp_path: Path) -> None:
+    """The host values a read found (and pinned) before it went to disk are unpinned when it
+    is cancelled there: a pin left behind would keep the range from eviction for good."""
+    import asyncio
+    import threading
+
+    from tierstore.service.kv import KeyValueStore
+
+    gate, entered = threading.Event(), threading.Event()
+
+    async def scenario() -> None:
+        kv = KeyValueStore(1 << 20, None, shared=False, disk=opened(tmp_path))
+        try:
+            assert kv.disk is not None
+            await kv.batch_set(["a", "b"], data(2, CHUNK, seed=12))
+            await kv.flush()
+            assert kv.host.drop_unpinned("b")  # "a" in host memory, "b" only on disk
+            slow = kv.disk.get_into
+
+            def held(*args: object) -> list[bool]:
+                entered.set()
+                gate.wait(30)
+                return slow(*args)  # type: ignore[arg-type]
+
+            kv.disk.get_into = held  # type: ignore[method-assign,assignment]
+            task = asyncio.ensure_future(kv.batch_get(["a", "b"]))
+            loop = asyncio.get_running_loop()
+            assert await loop.run_in_executor(None, entered.wait, 30)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            value = kv.host.get("a")
+            assert value is not None and value.pins == 0
+            gate.set()
+            await kv._on_disk(lambda: None)
+            await asyncio.sleep(0)
+            kv.host.check_integrity()
+        finally:
+            gate.set()
+            await kv.aclose()
+
+    asyncio.run(scenario())

@@ -175,11 +175,18 @@ class KeyValueStore:
             out.append(value)
         missing = [i for i, v in enumerate(out) if v is None]
         self.hits["host"] += len(keys) - len(missing)
-        if missing and self.disk is not None:
-            await self._from_disk(keys, missing, out)
-            missing = [i for i in missing if out[i] is None]
-        if missing and self.remote is not None:
-            fetched = await self._remote_get([keys[i] for i in missing])
+        try:
+            if missing and self.disk is not None:
+                await self._from_disk(keys, missing, out)
+                missing = [i for i in missing if out[i] is None]
+            fetched = await self._remote_get([keys[i] for i in missing]) \
+                if missing and self.remote is not None else []
+        except BaseException:  # cancelled or failed: nobody will unpin what was found
+            for found in out:
+                if isinstance(found, Value):
+                    self.host.unpin(found)
+            raise
+        if fetched:
             for i, view in zip(missing, fetched, strict=True):
                 if view is None:
                     continue
