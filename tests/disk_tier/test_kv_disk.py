@@ -368,3 +368,23 @@ def test_a_read_cancelled_during_its_disk_read_unpins_its_host_hits(tmp_path: Pa
             await kv.aclose()
 
     asyncio.run(scenario())
+
+
+def test_a_key_read_twice_in_one_batch_is_read_once(tmp_path: Path) -> None:
+    """A key given twice in one read: both get its bytes; when a chunk fails, the value is
+    dropped once and its slots freed once (a second free would hand one slot out twice)."""
+    values = data(2, 2 * CHUNK, seed=13)
+    with opened(tmp_path) as disk:
+        assert put(disk, ["a", "b"], values) == [True, True]
+        assert read(disk, ["a", "b", "a"]) == [values[0], values[1], values[0]]
+        slot = disk._index[digest("a")].slots[1]
+    slab = tmp_path / "kv.slab"
+    raw = bytearray(slab.read_bytes())
+    raw[slot * SLOT + 4096 + 100] ^= 1  # a body byte of a's second chunk
+    slab.write_bytes(bytes(raw))
+    with opened(tmp_path) as disk:
+        assert read(disk, ["a", "b", "a"]) == [None, values[1], None]
+        disk.check_integrity()
+        assert put(disk, ["c", "d"], data(2, 2 * CHUNK, seed=14)) == [True, True]
+        disk.check_integrity()
+        assert read(disk, ["b"]) == [values[1]]
