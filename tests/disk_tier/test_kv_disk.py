@@ -388,3 +388,56 @@ def test_a_key_read_twice_in_one_batch_is_read_once(tmp_path: Path) -> None:
         assert put(disk, ["c", "d"], data(2, 2 * CHUNK, seed=14)) == [True, True]
         disk.check_integrity()
         assert read(disk, ["b"]) == [values[1]]
+
+
+def test_a_commit_cancelled_while_its_disk_write_runs_keeps_the_ranges_pinned(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A commit that writes to disk before returning (past the write-behind limit) and is
+    cancelled meanwhile keeps its values pinned until the disk thread has read them: their
+    ranges must not be reused under a write that is still copying them out."""
+    import asyncio
+    import threading
+
+    from tierstore.service import kv as kv_module
+    from tierstore.service.kv import KeyValueStore
+
+    monkeypatch.setattr(kv_module, "WRITE_BEHIND_BYTES", 0)
+    gate, entered = threading.Event(), threading.Event()
+    (value_bytes,) = data(1, 5 * CHUNK, seed=15)  # past half of host memory: not behind
+
+    async def scenario() -> None:
+        kv = KeyValueStore(1 << 16, None, shared=False, disk=opened(tmp_path))
+        try:
+            assert kv.disk is not None
+            slow = kv.disk.put
+
+            def held(*args: object) -> list[bool]:
+                entered.set()
+                gate.wait(30)
+                return slow(*args)  # type: ignore[arg-type]
+
+            kv.disk.put = held  # type: ignore[method-assign,assignment]
+            res_id, ranges = kv.reserve(["a"], [len(value_bytes)])
+            (value,) = ranges
+            assert value is not None
+            kv.host.tensor(value).numpy()[:] = np.frombuffer(value_bytes, np.uint8)
+            task = asyncio.ensure_future(kv.commit(res_id))
+            loop = asyncio.get_running_loop()
+            assert await loop.run_in_executor(None, entered.wait, 30)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert value.pins >= 1  # the disk thread still reads the range
+            gate.set()
+            await kv._on_disk(lambda: None)
+            await asyncio.sleep(0)
+            assert value.pins == 0
+            kv.disk.put = slow  # type: ignore[method-assign]
+            assert kv.host.drop_unpinned("a")
+            assert await kv.batch_get(["a"]) == [value_bytes]
+            kv.host.check_integrity()
+        finally:
+            gate.set()
+            await kv.aclose()
+
+    asyncio.run(scenario())

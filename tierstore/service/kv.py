@@ -466,17 +466,24 @@ class KeyValueStore:
         nbytes = sum(v.length for _, v in items)
         self._disk_behind_bytes += nbytes
 
+        def done(_: object = None) -> None:
+            self._disk_behind_bytes -= nbytes
+            for _, value in items:
+                self.host.unpin(value)
+
         async def write() -> None:
+            assert self._disk_thread is not None and self.disk is not None
+            put = asyncio.get_running_loop().run_in_executor(
+                self._disk_thread, self.disk.put, [digest(k) for k, _ in items],
+                [self.host.view(v) for _, v in items])
             try:
-                await self._on_disk(self.disk.put,  # type: ignore[union-attr]
-                                    [digest(k) for k, _ in items],
-                                    [self.host.view(v) for _, v in items])
+                await asyncio.shield(put)
+            except asyncio.CancelledError:  # the disk thread reads the ranges until it is done
+                put.add_done_callback(done)
+                raise
             except Exception:
                 log.exception("disk write of %d storage values failed", len(items))
-            finally:
-                self._disk_behind_bytes -= nbytes
-                for _, value in items:
-                    self.host.unpin(value)
+            done()
 
         if self._disk_behind_bytes > max(WRITE_BEHIND_BYTES, self.capacity_bytes // 2):
             await write()
