@@ -441,3 +441,61 @@ def test_a_commit_cancelled_while_its_disk_write_runs_keeps_the_ranges_pinned(
             await kv.aclose()
 
     asyncio.run(scenario())
+
+
+def test_a_disk_read_begun_while_a_put_copies_off_the_loop_does_not_undo_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read that goes to disk after a put began but before the put's values are in host
+    memory (copied by a worker thread) must not publish the older disk bytes over them."""
+    import asyncio
+    import threading
+
+    from tierstore.service import kv as kv_module
+    from tierstore.service.kv import KeyValueStore
+
+    monkeypatch.setattr(kv_module, "COPY_ON_LOOP_BYTES", 0)  # every put copies off the loop
+    copy_gate, copying = threading.Event(), threading.Event()
+    read_gate, reading_disk = threading.Event(), threading.Event()
+    old, new = data(2, 3 * CHUNK, seed=16)
+    fill = kv_module._fill
+
+    def held_fill(*args: object) -> None:
+        copying.set()
+        copy_gate.wait(30)
+        fill(*args)  # type: ignore[arg-type]
+
+    async def scenario() -> None:
+        kv = KeyValueStore(1 << 20, None, shared=False, disk=opened(tmp_path))
+        try:
+            assert kv.disk is not None
+            await kv.batch_set(["a"], [old])
+            assert await kv.drop_host_copies() == 1
+            slow = kv.disk.get_into
+
+            def held_get(*args: object) -> list[bool]:
+                reading_disk.set()
+                read_gate.wait(30)
+                return slow(*args)  # type: ignore[arg-type]
+
+            monkeypatch.setattr(kv_module, "_fill", held_fill)
+            kv.disk.get_into = held_get  # type: ignore[method-assign,assignment]
+            loop = asyncio.get_running_loop()
+            putting = asyncio.ensure_future(kv.batch_set(["a"], [new]))
+            assert await loop.run_in_executor(None, copying.wait, 30)
+            reading = asyncio.ensure_future(kv.batch_get(["a"]))
+            assert await loop.run_in_executor(None, reading_disk.wait, 30)
+            copy_gate.set()
+            while "a" not in kv.host:  # the put has published its value in host memory
+                await asyncio.sleep(0.01)
+            read_gate.set()
+            assert (await reading)[0] in (old, new, None)
+            await putting
+            kv.disk.get_into = slow  # type: ignore[method-assign]
+            assert await kv.batch_get(["a"]) == [new]
+            kv.host.check_integrity()
+        finally:
+            copy_gate.set()
+            read_gate.set()
+            await kv.aclose()
+
+    asyncio.run(scenario())

@@ -99,7 +99,6 @@ class KeyValueStore:
         stored and, if not, why. A value Redis refused is not kept in host memory either.
         Large batches are copied into host memory by a worker thread, not on the loop."""
         tenant = tenant_of(keys[0]) if keys else ""
-        self._changing(keys)
         fits = len(keys)
         if limit is not None and keys:
             fits = await self._quota_room(tenant, limit, keys, [len(v) for v in values])
@@ -109,6 +108,9 @@ class KeyValueStore:
             stored = [self.host.put(k, v) for k, v in zip(keys, values, strict=True)]
         else:
             stored = await self._put_off_loop(keys, values)
+        # Now, not before an await: a disk read begun while the quota made room or a worker
+        # copied must not publish older bytes over these (the disk put queues after it).
+        self._changing(keys)
         if self.disk is not None and keys:
             on_disk = await self._on_disk(self.disk.put, [digest(k) for k in keys], values)
             stored = [a or b for a, b in zip(stored, on_disk, strict=True)]
