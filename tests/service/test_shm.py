@@ -267,7 +267,10 @@ def test_eviction_never_reuses_bytes_a_reader_holds(
     for t in threads:
         t.join(timeout=120)
     assert wrong == [] and not any(t.is_alive() for t in threads)
-    assert kv_stats(svc)["host_evictions"] > 0 and sum(hits) > len(hits) * 2
+    # Enough reads hit for the check above to mean something. How many hit depends on how the
+    # four threads interleave (2.1-3.3 of 4 per round measured, at this commit and at a09ca14):
+    # more than one of four on average, not more than two (that failed once in a fresh clone).
+    assert kv_stats(svc)["host_evictions"] > 0 and sum(hits) > len(hits)
     svc.service.kv.host.check_integrity()
 
 
