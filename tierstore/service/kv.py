@@ -5,7 +5,9 @@ shared segment that same-host clients read and fill themselves (:mod:`.kv_host`)
 tier (``serve --disk``) every value is also written to its slots (:mod:`.kv_disk`: a larger LRU
 that survives restarts, MAC-verified when read), and when Redis is configured to Redis too
 (shared across instances and restarts). A read looks in host memory, then on disk (a hit is
-copied back into host memory), then in Redis. Runs on the service's event loop: host
+copied back into host memory), then in Redis; a disk or Redis read that may have raced a
+put or delete of its key is a miss, never older bytes published (:mod:`.kv_changes`). Runs
+on the service's event loop: host
 bookkeeping is dict work, Redis I/O is awaited, disk calls run on one thread of their own
 (their I/O on the disk tier's workers), and bulk copies happen in the client (shared memory) or
 while a range is pinned.
@@ -20,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal, TypeVar
 
@@ -28,6 +30,7 @@ import numpy as np
 
 from remote_tier import RedisTier, RemoteTierError
 from tierstore.errors import UsageError
+from tierstore.service.kv_changes import Changes
 from tierstore.service.kv_disk import DiskValues, digest
 from tierstore.service.kv_host import HostValues, Value, tenant_of
 from tierstore.service.quotas import ValueQuota
@@ -65,11 +68,9 @@ class KeyValueStore:
             if disk is not None else None
         self._disk_behind: set[asyncio.Task[None]] = set()
         self._disk_behind_bytes = 0
-        # Keys a disk read is fetching (how many reads) and the change number of a put or
-        # delete of one meanwhile: such a read must not publish its older bytes over it.
-        self._disk_reading: dict[str, int] = {}
-        self._changed_at: dict[str, int] = {}
-        self._changes = 0
+        # Puts and deletes a disk or Redis read may have raced: it must not publish its
+        # older bytes over them.
+        self._changes = Changes()
         self.host = HostValues(capacity_bytes, ttl_s, shared=shared,
                                reservation_ttl_s=reservation_ttl_s)
         self.quota = ValueQuota()
@@ -108,12 +109,30 @@ class KeyValueStore:
             stored = [self.host.put(k, v) for k, v in zip(keys, values, strict=True)]
         else:
             stored = await self._put_off_loop(keys, values)
-        # Now, not before an await: a disk read begun while the quota made room or a worker
-        # copied must not publish older bytes over these (the disk put queues after it).
-        self._changing(keys)
+        # Now, not before an await: a read begun while the quota made room or a worker
+        # copied must not publish older bytes over these; in flight until Redis has them.
+        self._changes.changing(keys)
+        try:
+            reasons = await self._write_through(keys, values, stored)
+        finally:
+            self._changes.settled(keys)
+        if limit is not None:
+            self.quota.charge(tenant, [k for k, ok in zip(keys, stored, strict=True) if ok],
+                              [len(v) for v, ok in zip(values, stored, strict=True) if ok])
+        self.sets += len(keys)
+        reasons += ["quota"] * len(rest)
+        for reason in reasons:
+            if reason is not None:
+                self.refused[reason] = self.refused.get(reason, 0) + 1
+        return stored + [False] * len(rest), reasons
+
+    async def _write_through(self, keys: Sequence[str], values: Sequence[bytes],
+                             stored: list[bool]) -> list[Reason | None]:
+        """Write values host memory took (``stored``, updated) to disk and Redis; per value
+        why it is not stored (a value Redis refused is dropped from host memory and disk)."""
         if self.disk is not None and keys:
             on_disk = await self._on_disk(self.disk.put, [digest(k) for k in keys], values)
-            stored = [a or b for a, b in zip(stored, on_disk, strict=True)]
+            stored[:] = [a or b for a, b in zip(stored, on_disk, strict=True)]
         reasons: list[Reason | None] = [None if ok else "no_room" for ok in stored]
         if self.remote is not None and keys:
             acked, why = await self._remote_put(keys, values)
@@ -126,15 +145,7 @@ class KeyValueStore:
                         if self.disk is not None:
                             await self._on_disk(self.disk.delete, [digest(keys[i])])
                     stored[i], reasons[i] = False, why
-        if limit is not None:
-            self.quota.charge(tenant, [k for k, ok in zip(keys, stored, strict=True) if ok],
-                              [len(v) for v, ok in zip(values, stored, strict=True) if ok])
-        self.sets += len(keys)
-        reasons += ["quota"] * len(rest)
-        for reason in reasons:
-            if reason is not None:
-                self.refused[reason] = self.refused.get(reason, 0) + 1
-        return stored + [False] * len(rest), reasons
+        return reasons
 
     async def _quota_room(self, tenant: str, limit: int, keys: Sequence[str],
                           sizes: Sequence[int]) -> int:
@@ -181,24 +192,34 @@ class KeyValueStore:
             if missing and self.disk is not None:
                 await self._from_disk(keys, missing, out)
                 missing = [i for i in missing if out[i] is None]
-            fetched = await self._remote_get([keys[i] for i in missing]) \
-                if missing and self.remote is not None else []
+            if missing and self.remote is not None:
+                await self._from_remote(keys, missing, out)
         except BaseException:  # cancelled or failed: nobody will unpin what was found
             for found in out:
                 if isinstance(found, Value):
                     self.host.unpin(found)
             raise
-        if fetched:
-            for i, view in zip(missing, fetched, strict=True):
-                if view is None:
-                    continue
-                self.hits["redis"] += 1
-                value = self.host.get(keys[i]) if self.host.put(keys[i], view) else None
-                if value is not None:
-                    self.host.pin(value)
-                out[i] = value if value is not None else bytes(view)
         self.hits["miss"] += sum(v is None for v in out)
         return out
+
+    async def _from_remote(self, keys: Sequence[str], missing: Sequence[int],
+                           out: list[Value | bytes | None]) -> None:
+        """Fill ``out[i]`` for the ``missing`` keys Redis holds: a pinned host value where one
+        fits, else bytes. A key put or deleted while Redis answered, or whose change was in
+        flight (its Redis write not landed), is a miss: the bytes may be older than it."""
+        mark = self._changes.begin_read([keys[i] for i in missing])
+        try:
+            fetched = await self._remote_get(mark.keys)
+        finally:
+            stale = self._changes.end_read(mark)
+        for i, view in zip(missing, fetched, strict=True):
+            if view is None or keys[i] in stale:
+                continue
+            self.hits["redis"] += 1
+            value = self.host.get(keys[i]) if self.host.put(keys[i], view) else None
+            if value is not None:
+                self.host.pin(value)
+            out[i] = value if value is not None else bytes(view)
 
     async def _from_disk(self, keys: Sequence[str], missing: Sequence[int],
                          out: list[Value | bytes | None]) -> None:
@@ -222,9 +243,7 @@ class KeyValueStore:
         assert self._disk_thread is not None
         fill = asyncio.get_running_loop().run_in_executor(self._disk_thread, self.disk.get_into,
                                                           digests, targets)
-        start = self._changes
-        for i in missing:
-            self._disk_reading[keys[i]] = self._disk_reading.get(keys[i], 0) + 1
+        mark = self._changes.begin_read([keys[i] for i in missing])
         try:
             got = await asyncio.shield(fill)
         except BaseException:  # cancelled: give the ranges back once the disk is done
@@ -237,13 +256,7 @@ class KeyValueStore:
             fill.add_done_callback(give_back)
             raise
         finally:
-            changed = {keys[i] for i in missing if self._changed_at.get(keys[i], -1) > start}
-            for i in missing:
-                left = self._disk_reading.pop(keys[i]) - 1
-                if left:
-                    self._disk_reading[keys[i]] = left
-                else:
-                    self._changed_at.pop(keys[i], None)
+            changed = self._changes.end_read(mark)
         for i, ok, value, target in zip(missing, got, ranges, targets, strict=True):
             if keys[i] in changed:  # put or deleted while read: the disk had older bytes
                 ok = False
@@ -258,14 +271,6 @@ class KeyValueStore:
             elif ok and target is not None:
                 out[i] = target.tobytes()
             self.hits["disk"] += ok
-
-    def _changing(self, keys: Iterable[str]) -> None:
-        """Note a put or delete of ``keys`` for the disk reads fetching any of them."""
-        self._changes += 1
-        if self._disk_reading:
-            for key in keys:
-                if key in self._disk_reading:
-                    self._changed_at[key] = self._changes
 
     async def read(self, keys: Sequence[str]
                    ) -> tuple[list[memoryview | bytes | None], Callable[[], None]]:
@@ -319,19 +324,23 @@ class KeyValueStore:
 
     async def delete(self, keys: Sequence[str]) -> int:
         """Delete ``keys`` (of one tenant) everywhere; how many some tier held."""
-        self._changing(keys)
-        if keys:
-            self.quota.forget(tenant_of(keys[0]), keys)
-        deleted = sum(self.host.drop(k) for k in set(keys))
-        if self.disk is not None:
-            deleted = max(deleted, await self._on_disk(self.disk.delete,
-                                                       [digest(k) for k in set(keys)]))
-        in_redis = 0
-        if self.remote is not None:
-            try:
-                in_redis = await self.remote.delete_many([self.remote.raw_key(k) for k in keys])
-            except RemoteTierError as exc:
-                log.warning("redis delete failed: %s", exc)
+        self._changes.changing(keys)  # in flight until Redis has deleted them too
+        try:
+            if keys:
+                self.quota.forget(tenant_of(keys[0]), keys)
+            deleted = sum(self.host.drop(k) for k in set(keys))
+            if self.disk is not None:
+                deleted = max(deleted, await self._on_disk(self.disk.delete,
+                                                           [digest(k) for k in set(keys)]))
+            in_redis = 0
+            if self.remote is not None:
+                try:
+                    in_redis = await self.remote.delete_many([self.remote.raw_key(k)
+                                                              for k in keys])
+                except RemoteTierError as exc:
+                    log.warning("redis delete failed: %s", exc)
+        finally:
+            self._changes.settled(keys)
         return max(deleted, in_redis)  # Redis holds every value that host memory holds
 
     # ------------------------------------------------------------------ reserve -> commit
@@ -373,23 +382,28 @@ class KeyValueStore:
             self.quota.charge(tenant, [k for k, _ in filled[:fits]],
                               [v.length for _, v in filled[:fits]])
         done = [(k, v) for k, v in items if v is not None]
-        self._changing([k for k, _ in done])
-        for key, value in done:
-            self.host.publish(key, value)
-        self.sets += len(done)
-        if done and self.disk is not None:
-            await self._to_disk_behind(done)
-        if done and self.remote is not None:
-            for _, value in done:  # pinned now: nothing may reuse them before the write runs
-                self.host.pin(value)
-            self._behind_bytes += sum(v.length for _, v in done)
-            write = self._write_behind(done)
-            if self._behind_bytes > WRITE_BEHIND_BYTES:
-                await write
-            else:
-                task = asyncio.ensure_future(write)
-                self._behind.add(task)
-                task.add_done_callback(self._behind.discard)
+        keys = [k for k, _ in done]
+        self._changes.changing(keys)  # its background writes keep it in flight
+        try:
+            for key, value in done:
+                self.host.publish(key, value)
+            self.sets += len(done)
+            if done and self.disk is not None:
+                await self._to_disk_behind(done)
+            if done and self.remote is not None:
+                for _, value in done:  # pinned now: nothing may reuse them before the write
+                    self.host.pin(value)
+                self._changes.opened(keys)
+                self._behind_bytes += sum(v.length for _, v in done)
+                write = self._write_behind(done)
+                if self._behind_bytes > WRITE_BEHIND_BYTES:
+                    await write
+                else:
+                    task = asyncio.ensure_future(write)
+                    self._behind.add(task)
+                    task.add_done_callback(self._behind.discard)
+        finally:
+            self._changes.settled(keys)
         return [v is not None for _, v in items]
 
     def abort(self, res_id: str, principal: str = "") -> bool:
@@ -407,6 +421,7 @@ class KeyValueStore:
             await self._remote_put([k for k, _ in items], [self.host.view(v) for _, v in items])
         finally:
             self._behind_bytes -= sum(v.length for _, v in items)
+            self._changes.settled([k for k, _ in items])
             for _, value in items:
                 self.host.unpin(value)
 
@@ -465,11 +480,13 @@ class KeyValueStore:
         pages take a share of memory before a writer waits), before returning."""
         for _, value in items:
             self.host.pin(value)
+        self._changes.opened([k for k, _ in items])
         nbytes = sum(v.length for _, v in items)
         self._disk_behind_bytes += nbytes
 
         def done(_: object = None) -> None:
             self._disk_behind_bytes -= nbytes
+            self._changes.settled([k for k, _ in items])
             for _, value in items:
                 self.host.unpin(value)
 
