@@ -5,12 +5,24 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
+import threading
 from pathlib import Path
 
+import pytest
 import torch
+from redis.exceptions import RedisClusterException
 
+from remote_tier import RemoteTierConfig
+from tierstore.client import Client
+from tierstore.config import StoreConfig
 from tierstore.service import server
+from tierstore.service.config import ServiceConfig
 from tierstore.service.metrics import StoreCollector
+from tierstore.store import TierStore
+from tierstore.testing.redis_server import RedisServer
+from tierstore.testing.reference_model import tiny_layout
+from tierstore.testing.service import RunningService, free_port
 
 
 def build(tmp_path: Path, stack: contextlib.ExitStack) -> object:
@@ -53,3 +65,45 @@ def test_serve_disk_keeps_prefixes_across_a_restart(tmp_path: Path) -> None:
         assert m.tokens == 4 * page and m.tiers["disk"] == 4 * page
         assert torch.equal(store.arena.read("kv", m.kv), data["kv"])
         store.release(m.lease)
+
+
+def test_a_service_whose_redis_fails_at_start_closes_its_disk_copies(
+        tmp_path: Path, redis_server: RedisServer) -> None:
+    """A start that fails on Redis (here: cluster mode against a standalone server) releases
+    what the service opened, the storage API's disk copy and the store's disk tier: their
+    threads, files and directory locks; a second start on the same directories works."""
+    secret = b"s" * 40
+
+    def parts() -> tuple[TierStore, ServiceConfig]:
+        store = TierStore(tiny_layout(page_size=4), StoreConfig(
+            capacity_bytes=1 << 20, disk_path=str(tmp_path / "prefix"),
+            disk_size_bytes=4 << 20, disk_mac_key=secret))
+        config = ServiceConfig(port=free_port(), kv_host_bytes=1 << 20, shm=False,
+                               kv_disk_path=str(tmp_path / "storage"), kv_disk_bytes=1 << 20,
+                               kv_disk_chunk_bytes=8 << 10, kv_disk_mac_key=secret)
+        return store, config
+
+    def disk_threads() -> list[str]:
+        return [t.name for t in threading.enumerate() if "disk" in t.name]
+
+    fds = len(os.listdir("/proc/self/fd"))
+    store, config = parts()
+    bad = RemoteTierConfig(url=redis_server.url, key_prefix="tskv", mode="cluster")
+    running = RunningService(store, config, bad)
+    with pytest.raises(RedisClusterException):
+        running.start()
+    running.stop()
+    kv_disk = running.service.kv.disk
+    assert kv_disk is not None and store.disk is not None
+    assert kv_disk.tier._lock == -1 and not kv_disk.tier.files  # closed, lock dropped
+    assert not disk_threads()
+    assert len(os.listdir("/proc/self/fd")) <= fds
+    store, config = parts()  # the same directories: their locks are free
+    with RunningService(store, config) as svc:
+        client = Client(svc.url)
+        try:
+            assert client.batch_set(["k"], [b"v" * 100]) == [True]
+            assert client.batch_get(["k"]) == [b"v" * 100]
+        finally:
+            client.close()
+    assert not disk_threads()

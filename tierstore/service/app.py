@@ -77,7 +77,8 @@ _MAPPED = tuple(_STATUS)
 
 
 class Service:
-    """Owns the store for the app's lifetime (the caller built it; :meth:`close` closes it)."""
+    """Owns the store for the app's lifetime (the caller built it; the app's cleanup, or a
+    start that fails, closes it with :meth:`aclose`)."""
 
     def __init__(self, store: TierStore, config: ServiceConfig,
                  kv_remote: RemoteTierConfig | None = None) -> None:
@@ -135,14 +136,27 @@ class Service:
         return app
 
     async def _lifecycle(self, app: web.Application) -> AsyncIterator[None]:
-        if self.kv_remote is not None:
-            self.kv.remote = await RedisTier.connect(self.kv_remote)
+        try:
+            if self.kv_remote is not None:
+                self.kv.remote = await RedisTier.connect(self.kv_remote)
+        except BaseException as exc:
+            # The app does not start, so the cleanup after ``yield`` never runs: release the
+            # disk copies' files, locks and threads now (a later start may use them).
+            log.error("service start failed: storage API Redis: %s: %s", type(exc).__name__,
+                      exc)
+            await self.aclose()
+            raise
         reaper = asyncio.create_task(self._reap_leases())
         log.info("service up: L1 %.1f MiB on %s, L2 %s, L3 %s", self.store.arena.capacity_bytes
                  / 2**20, self.store.arena.device, "on" if self.store.host else "off",
                  "on" if self.store.remote else "off")
         yield
         reaper.cancel()
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the storage API's tiers (background writes finished first) and the store,
+        and stop the store's thread."""
         await self.kv.aclose()
         await self.run(self.store.close)
         self._executor.shutdown(wait=True)

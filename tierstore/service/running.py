@@ -61,6 +61,8 @@ class RunningService:
         if self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
+        if not self._thread.is_alive() and not self._loop.is_closed():
+            self._loop.close()  # its selector and wake-up pipe
 
     def __enter__(self) -> RunningService:
         return self.start()

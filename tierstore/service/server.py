@@ -164,25 +164,29 @@ def build(args: argparse.Namespace, stack: ExitStack) -> tuple[Service, ServiceC
                          disk_size_bytes=disk_bytes - kv_disk,
                          attribution=not args.no_attribution, mrc=not args.no_mrc)
     store = TierStore(layout, config)
-    service_config = ServiceConfig(host=args.host, port=args.port,
-                                   auth_token=(tokens[0] if tokens else None) or
-                                   (None if args.principals else env.auth_token),
-                                   principals=args.principals,
-                                   reservation_ttl_s=args.reservation_ttl,
-                                   max_body_bytes=parse_size(args.max_body),
-                                   lease_ttl_s=args.lease_ttl,
-                                   kv_host_bytes=parse_size(args.kv_host),
-                                   shm=not args.no_shm,
-                                   kv_disk_path=os.path.join(args.disk, "storage")
-                                   if kv_disk else None,
-                                   kv_disk_bytes=kv_disk, kv_disk_mac_key=mac_key,
-                                   max_connections=args.max_connections,
-                                   keepalive_timeout_s=args.idle_timeout,
-                                   header_timeout_s=args.header_timeout,
-                                   body_timeout_s=args.body_timeout)
-    kv_remote = RemoteTierConfig(url=redis_url, key_prefix="tskv",
-                                 mac_key=mac_key) if redis_url else None
-    return Service(store, service_config, kv_remote), service_config
+    try:  # a bad flag, principals file or locked disk directory: close its disk tier
+        service_config = ServiceConfig(host=args.host, port=args.port,
+                                       auth_token=(tokens[0] if tokens else None) or
+                                       (None if args.principals else env.auth_token),
+                                       principals=args.principals,
+                                       reservation_ttl_s=args.reservation_ttl,
+                                       max_body_bytes=parse_size(args.max_body),
+                                       lease_ttl_s=args.lease_ttl,
+                                       kv_host_bytes=parse_size(args.kv_host),
+                                       shm=not args.no_shm,
+                                       kv_disk_path=os.path.join(args.disk, "storage")
+                                       if kv_disk else None,
+                                       kv_disk_bytes=kv_disk, kv_disk_mac_key=mac_key,
+                                       max_connections=args.max_connections,
+                                       keepalive_timeout_s=args.idle_timeout,
+                                       header_timeout_s=args.header_timeout,
+                                       body_timeout_s=args.body_timeout)
+        kv_remote = RemoteTierConfig(url=redis_url, key_prefix="tskv",
+                                     mac_key=mac_key) if redis_url else None
+        return Service(store, service_config, kv_remote), service_config
+    except BaseException:
+        store.close()
+        raise
 
 
 def serve(args: argparse.Namespace) -> int:
