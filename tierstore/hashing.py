@@ -3,6 +3,10 @@
 The salt folds in the namespace, the model fingerprint and the layout fingerprint, so two
 namespaces (or two layouts) never produce the same page key. SHA-256 by default (a prefix cache
 must not be poisonable by crafted collisions); xxh3-128 is the faster opt-in.
+
+Where ``tierstore._c_chain`` is built (:mod:`tierstore.native`), the SHA-256 chain, the memo's
+shared-page comparison and the common token conversions run compiled; the Python paths below
+give byte-identical keys and the same errors (``TIERSTORE_PURE_PYTHON=1`` forces them).
 """
 
 from __future__ import annotations
@@ -18,6 +22,10 @@ import torch
 import xxhash
 
 from tierstore.errors import NamespaceError, TokenError
+from tierstore.native import load
+
+# chain / shared / narrow_i64 / pack_ints (tierstore/_c_chain.c), or None: the Python paths
+_c = load("tierstore._c_chain")
 
 HashName = Literal["sha256", "xxh3"]
 _NAMESPACE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$")
@@ -64,13 +72,16 @@ def as_tokens(tokens: object) -> np.ndarray:
     Accepts a sequence of ints, a numpy integer array, a torch integer tensor, or packed
     little-endian uint32 ``bytes``; raises TokenError for anything else or out-of-range ids.
     One conversion and one range check for the whole array: no per-token Python work."""
-    if type(tokens) is np.ndarray and tokens.dtype == _I8 and tokens.ndim == 1:
-        # what engines hand over most (numpy's default integer): viewed unsigned, a negative
-        # id is above the range too, so one reduction checks both ends
-        if tokens.size and int(tokens.view(_U8).max()) > _UINT32_MAX:
-            raise TokenError(f"token ids must be in [0, 2**32), got range [{tokens.min()}, "
-                             f"{tokens.max()}]")
-        return tokens.astype(_U4)
+    if type(tokens) is np.ndarray and tokens.ndim == 1:
+        if tokens.dtype == _U4:
+            return tokens
+        if tokens.dtype == _I8:  # what engines hand over most (numpy's default integer)
+            return _from_i8(tokens)
+    elif (type(tokens) is list or type(tokens) is tuple) and _c is not None:
+        out = np.empty(len(tokens), _U4)
+        if _c.pack_ints(tokens, out):
+            return out
+        # not all plain ints in range: the general path below accepts or names the error
     if isinstance(tokens, (bytes, bytearray, memoryview)):
         raw = memoryview(tokens).cast("B")
         if raw.nbytes % 4:
@@ -91,9 +102,24 @@ def as_tokens(tokens: object) -> np.ndarray:
         raise TokenError(f"token ids must be a 1-D integer array, got {arr.dtype} {arr.shape}")
     if arr.dtype == np.uint32:
         return arr.astype("<u4", copy=False)
+    if arr.dtype == _I8:
+        return _from_i8(arr)
     if arr.size and _out_of_range(arr):
         raise TokenError(f"token ids must be in [0, 2**32), got range [{arr.min()}, {arr.max()}]")
     return arr.astype("<u4")
+
+
+def _from_i8(arr: np.ndarray) -> np.ndarray:
+    """A 1-D int64 array as uint32, range-checked: compiled in one pass where built and the
+    array is contiguous; else one reduction (viewed unsigned, a negative id is above the range
+    too, so it checks both ends) and one cast."""
+    if _c is not None and arr.flags.c_contiguous:
+        out = np.empty(len(arr), _U4)
+        if _c.narrow_i64(arr, out):
+            return out
+    elif not arr.size or int(arr.view(_U8).max()) <= _UINT32_MAX:
+        return arr.astype(_U4)
+    raise TokenError(f"token ids must be in [0, 2**32), got range [{arr.min()}, {arr.max()}]")
 
 
 def _out_of_range(arr: np.ndarray) -> bool:
@@ -112,11 +138,14 @@ class PageHasher:
     Keys are a pure function of the salt and the tokens, so the hasher remembers the keys of
     recent prompts (``memo_bytes`` of packed tokens at most, least recently used out): a prompt
     sharing leading pages with a remembered one (the same request's insert after its match, a
-    shared system prompt) hashes only the pages after the shared run."""
+    shared system prompt) hashes only the pages after the shared run.
+
+    ``native=False`` keeps this hasher on the Python path even where ``tierstore._c_chain`` is
+    built (the keys are the same; benchmarks and tests compare the two)."""
 
     def __init__(
         self, model_fingerprint: str, layout_fingerprint: str, page_size: int,
-        algorithm: HashName = "sha256", *, memo_bytes: int = 16 << 20,
+        algorithm: HashName = "sha256", *, memo_bytes: int = 16 << 20, native: bool = True,
     ) -> None:
         if algorithm not in ("sha256", "xxh3"):
             raise ValueError(f"hash algorithm must be 'sha256' or 'xxh3', got {algorithm!r}")
@@ -130,6 +159,8 @@ class PageHasher:
         self._memo: OrderedDict[tuple[str, bytes], tuple[bytes, tuple[bytes, ...]]] = \
             OrderedDict()
         self._roots: dict[str, bytes] = {}
+        # the compiled SHA-256 chain; xxh3 and the pure-Python path hash page by page below
+        self._c = _c if native and algorithm == "sha256" else None
 
     def root(self, namespace: str) -> bytes:
         """``h_0``: the salt's hash for ``namespace``."""
@@ -157,18 +188,24 @@ class PageHasher:
                 return list(seen_keys[:n])
             if packed.startswith(seen_packed):
                 keys = list(seen_keys)
-            else:  # the shared leading pages
-                shared = 1
+            else:  # the shared leading pages (the first is, by the memo key)
                 limit = min(n, len(seen_keys))
-                while shared < limit and packed[shared * step : (shared + 1) * step] \
-                        == seen_packed[shared * step : (shared + 1) * step]:
-                    shared += 1
+                if self._c is not None:
+                    shared = self._c.shared(packed, seen_packed, step, limit)
+                else:
+                    shared = 1
+                    while shared < limit and packed[shared * step : (shared + 1) * step] \
+                            == seen_packed[shared * step : (shared + 1) * step]:
+                        shared += 1
                 keys = list(seen_keys[:shared])
         h = keys[-1] if keys else self.root(namespace)
-        digest = self._digest
-        for i in range(len(keys), n):
-            h = digest(h + packed[i * step : (i + 1) * step]).digest()
-            keys.append(h)
+        if self._c is not None:
+            keys += self._c.chain(h, packed, step, len(keys), n - len(keys))
+        else:
+            digest = self._digest
+            for i in range(len(keys), n):
+                h = digest(h + packed[i * step : (i + 1) * step]).digest()
+                keys.append(h)
         self._remember(memo_key, packed, keys)
         return keys
 
