@@ -28,6 +28,8 @@ def _defines_public_subclasses(module_name: str) -> bool:
     importing every module would load SGLang for the benches)."""
     spec = importlib.util.find_spec(module_name)
     assert spec is not None and spec.origin is not None
+    if not spec.origin.endswith(".py"):
+        return False  # a compiled _c_* extension: no source to read, no exception classes
     tree = ast.parse(Path(spec.origin).read_text())
     return any(isinstance(n, ast.ClassDef) and n.bases and not n.name.startswith("_")
                for n in ast.walk(tree))
