@@ -47,6 +47,36 @@ TIER_NAMES: dict[int, str] = {Tier.L1: "l1", Tier.L2: "l2", Tier.L3: "l3", Tier.
 Key = Callable[["Node"], tuple[float, ...]]
 
 
+class _Absent(dict[str, Sequence[int]]):
+    """A tier's page columns holding nothing, shared by every node of one length (read only:
+    a node gets private lists on its first write to the tier). Most nodes never hold anything
+    in most tiers, and a new leaf's L1 columns arrive whole: allocating ABSENT lists per node
+    and tier cost more than the rest of building one."""
+
+
+_ABSENT_COLUMNS: dict[int, _Absent] = {}
+
+
+def _absent(n: int) -> _Absent:
+    """The shared empty columns of an ``n``-page node."""
+    cols = _ABSENT_COLUMNS.get(n)
+    if cols is None:
+        row = (ABSENT,) * n
+        cols = _Absent(kv=row, swa=row)
+        if len(_ABSENT_COLUMNS) < 4096:
+            _ABSENT_COLUMNS[n] = cols
+    return cols
+
+
+def _own(node: Node, t: int) -> dict[str, list[int]]:
+    """Tier ``t``'s columns of ``node``, made private and writable (copied from the shared
+    empty ones on the first write)."""
+    cols = node._pages[t]
+    if type(cols) is _Absent:
+        cols = node._pages[t] = {k: list(v) for k, v in cols.items()}
+    return cols  # type: ignore[return-value]
+
+
 class Node:
     """A run of pages; ``depth`` counts the pages above it (its first page's position).
 
@@ -61,11 +91,10 @@ class Node:
         self.parent = parent
         self.depth = depth
         self.keys: list[bytes] = keys if keys is not None else []
-        a = [ABSENT] * len(self.keys)
-        # [tier - 1][kind] -> per-page entries; [tier - 1] -> checkpoint entry (one per tier)
-        self._pages: tuple[dict[str, list[int]], ...] = (
-            {"kv": a[:], "swa": a[:]}, {"kv": a[:], "swa": a[:]}, {"kv": a[:], "swa": a[:]},
-            {"kv": a, "swa": a[:]})
+        # [tier - 1][kind] -> per-page entries (shared read-only ABSENT rows until the first
+        # write to the tier: see _own); [tier - 1] -> checkpoint entry (one per tier)
+        none = _absent(len(self.keys))
+        self._pages: list[dict[str, Sequence[int]]] = [none, none, none, none]
         self._state = [ABSENT, ABSENT, ABSENT, ABSENT]
         self._held = [0, 0, 0, 0]  # entries >= 0 per tier
         self._child_held = [0, 0, 0, 0]  # children holding anything, per tier
@@ -177,7 +206,7 @@ class RadixIndex:
             old = node._state[t]
             node._state[t] = value
         else:
-            column = node._pages[t][kind]
+            column = _own(node, t)[kind]
             old = column[j]
             column[j] = value
         delta = (value >= 0) - (old >= 0)
@@ -187,7 +216,7 @@ class RadixIndex:
     def set_many(self, node: Node, tier: int, kind: str, js: Sequence[int],
                  values: Sequence[int]) -> None:
         """:meth:`set` for several pages of one node."""
-        column = node._pages[tier - 1][kind]
+        column = _own(node, tier - 1)[kind]
         delta = 0
         for j, v in zip(js, values, strict=True):
             delta += (v >= 0) - (column[j] >= 0)
@@ -201,14 +230,14 @@ class RadixIndex:
         t = tier - 1
         out: dict[str, list[int]] = {}
         columns = node._pages[t]
-        for kind, column in columns.items():
-            if ABSENT not in column:  # held whole: the column is the list to hand back
-                out[kind] = column
-                columns[kind] = [ABSENT] * len(column)
-            else:
-                out[kind] = [v for v in column if v >= 0]
-                if out[kind]:
-                    column[:] = [ABSENT] * len(column)
+        if type(columns) is _Absent:  # never written: holds no page
+            out = {kind: [] for kind in columns}
+        else:
+            for kind, column in columns.items():  # private columns are lists
+                # held whole: the column is the list to hand back
+                out[kind] = column if ABSENT not in column \
+                    else [v for v in column if v >= 0]  # type: ignore[assignment]
+            node._pages[t] = _absent(len(node.keys))
         sid = node._state[t]
         out[CHECKPOINT] = [sid] if sid >= 0 else []
         node._state[t] = ABSENT
@@ -254,10 +283,16 @@ class RadixIndex:
         upper.lock, upper.last_use, upper.used_at = node.lock, node.last_use, node.used_at
         upper.hits, upper.priority = node.hits, node.priority
         held_before = list(node._held)
+        rest = _absent(len(node.keys) - pages)
         for t in range(len(TIERS)):
-            for kind, column in node._pages[t].items():
-                upper._pages[t][kind] = column[:pages]
-                node._pages[t][kind] = column[pages:]
+            columns = node._pages[t]
+            if type(columns) is _Absent:  # upper starts with the shared empty columns
+                node._pages[t] = rest
+                upper._held[t] = 0
+                upper._child_held[t] = int(node._held[t] > 0)
+                continue
+            upper._pages[t] = {kind: column[:pages] for kind, column in columns.items()}
+            node._pages[t] = {kind: column[pages:] for kind, column in columns.items()}
             up = sum(v >= 0 for col in upper._pages[t].values() for v in col)
             upper._held[t] = up
             node._held[t] -= up
@@ -303,13 +338,16 @@ class RadixIndex:
         """Record whole columns ({kind: per-page entries, each >= 0 or ABSENT}) of a node that
         holds no page entry in ``tier`` yet (a new leaf): one count update, not one per page."""
         t = tier - 1
-        pages, held = node._pages[t], 0
+        held, pages = 0, node._pages[t]
+        if type(pages) is _Absent:  # (the kinds not given become private lists too)
+            pages = {k: v if k in entries else list(v) for k, v in pages.items()}
         for kind, values in entries.items():
             assert len(values) == len(node.keys), \
                 f"{kind}: {len(values)} entries, {len(node.keys)} pages"
             assert pages[kind].count(ABSENT) == len(values), f"{kind}: the column is not empty"
             pages[kind] = list(values)
             held += len(values) - values.count(ABSENT)
+        node._pages[t] = pages
         if held:
             self._count(node, t, held)
 

@@ -1,0 +1,51 @@
+"""The index's residency columns: nodes share read-only empty columns until their first write
+to a tier, so a write must never show through another node (or another tier)."""
+
+from __future__ import annotations
+
+from tierstore.eviction import LRU
+from tierstore.radix import ABSENT, CHECKPOINT, TIERS, RadixIndex, Tier
+
+
+def _keys(tag: int, n: int) -> list[bytes]:
+    return [bytes([tag, i]) for i in range(n)]
+
+
+def test_a_write_shows_only_in_its_node_and_tier() -> None:
+    index = RadixIndex(LRU().key)
+    a = index.extend(index.root, _keys(1, 4))
+    b = index.extend(index.root, _keys(2, 4))  # same length: same shared empty columns
+    index.set(a, Tier.L1, "kv", 2, 7)
+    index.set_many(b, Tier.L2, "swa", [0, 3], [5, 6])
+    assert list(a.ids(Tier.L1, "kv")) == [ABSENT, ABSENT, 7, ABSENT]
+    assert list(b.ids(Tier.L1, "kv")) == [ABSENT] * 4
+    assert list(b.ids(Tier.L2, "swa")) == [5, ABSENT, ABSENT, 6]
+    assert list(a.ids(Tier.L2, "swa")) == [ABSENT] * 4
+    for tier in (Tier.L3, Tier.DISK):
+        assert list(a.ids(tier, "kv")) == list(b.ids(tier, "swa")) == [ABSENT] * 4
+    c = index.extend(index.root, _keys(3, 4))  # a node made after the writes starts empty
+    assert all(list(c.ids(t, k)) == [ABSENT] * 4 for t in TIERS for k in ("kv", "swa"))
+    assert a.holds(Tier.L1) and not a.holds(Tier.L2) and b.holds(Tier.L2)
+    index.check_integrity()
+
+
+def test_clear_fill_and_split_keep_columns_apart() -> None:
+    index = RadixIndex(LRU().key)
+    a = index.extend(index.root, _keys(1, 6), {"kv": [0, 1, 2, 3, 4, 5],
+                                                "swa": [ABSENT, ABSENT, 8, 9, 10, 11]})
+    index.set(a, Tier.L1, CHECKPOINT, 0, 40)
+    index.set(a, Tier.L3, "kv", 1, 1)
+    upper = index.split(a, 2)  # L1 and L3 written, L2 and disk still shared
+    assert list(upper.ids(Tier.L1, "kv")) == [0, 1] and list(a.ids(Tier.L1, "kv")) == [2, 3, 4, 5]
+    assert list(upper.ids(Tier.L3, "kv")) == [ABSENT, 1]
+    assert list(a.ids(Tier.L2, "kv")) == [ABSENT] * 4 and a.checkpoint(Tier.L1) == 40
+    index.check_integrity()
+    removed = index.clear(a, Tier.L1)
+    assert removed == {"kv": [2, 3, 4, 5], "swa": [8, 9, 10, 11], CHECKPOINT: [40]}
+    assert list(a.ids(Tier.L1, "swa")) == [ABSENT] * 4 and not a.holds(Tier.L1)
+    assert index.clear(a, Tier.L2) == {"kv": [], "swa": [], CHECKPOINT: []}  # never written
+    index.fill(a, Tier.L1, {"kv": [20, 21, ABSENT, 23]})  # the emptied columns fill again
+    assert list(a.ids(Tier.L1, "kv")) == [20, 21, ABSENT, 23]
+    assert list(a.ids(Tier.L1, "swa")) == [ABSENT] * 4
+    assert list(upper.ids(Tier.L1, "kv")) == [0, 1]
+    index.check_integrity()
