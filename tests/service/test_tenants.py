@@ -248,6 +248,10 @@ def test_leases_and_reservations_belong_to_their_principal(clients: dict[str, Cl
         (404, "unknown_reservation")
     assert b.call("/v1/storage/shm_abort", {"reservation": res}) == {"aborted": False}
     assert a.call("/v1/storage/shm_commit", {"reservation": res})["stored"] == [True]
+    # Sent again: the same answer to its principal, and still nothing to anyone else.
+    assert a.call("/v1/storage/shm_commit", {"reservation": res})["stored"] == [True]
+    assert error_of(lambda: b.call("/v1/storage/shm_commit", {"reservation": res})) == \
+        (404, "unknown_reservation")
 
 
 @needs_shm

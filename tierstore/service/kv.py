@@ -31,6 +31,7 @@ import numpy as np
 from remote_tier import RedisTier, RemoteTierError
 from tierstore.errors import UsageError
 from tierstore.service.kv_changes import Changes
+from tierstore.service.kv_commits import CommitLog
 from tierstore.service.kv_disk import DiskValues, digest
 from tierstore.service.kv_host import HostValues, Value, tenant_of
 from tierstore.service.quotas import ValueQuota
@@ -71,6 +72,7 @@ class KeyValueStore:
         # Puts and deletes a disk or Redis read may have raced: it must not publish its
         # older bytes over them.
         self._changes = Changes()
+        self._commits = CommitLog(self._changes, ttl_s)  # answers for retried commits
         self.host = HostValues(capacity_bytes, ttl_s, shared=shared,
                                reservation_ttl_s=reservation_ttl_s)
         self.quota = ValueQuota()
@@ -365,11 +367,25 @@ class KeyValueStore:
         """Publish a filled reservation of ``principal``; per key whether host memory took it
         (and, with a tenant byte quota ``limit``, whether it fit: its oldest values go first).
         Redis gets the values in the background (or, past ``WRITE_BEHIND_BYTES`` in flight,
-        before this returns). None when the reservation is unknown, expired or another
-        principal's (nothing is published)."""
+        before this returns). A retry of a commit that ran (its answer lost) gets the same
+        answer (:mod:`.kv_commits`; CommitSuperseded when a key of it was put or deleted
+        since). None when the reservation is unknown, expired or another principal's
+        (nothing is published)."""
         items = self.host.take_reservation(res_id, principal)
         if items is None:
-            return None
+            return await self._commits.replay(res_id, principal)
+        self._commits.begin(res_id, principal)
+        stored: list[bool] | None = None
+        try:
+            stored = await self._publish(res_id, items, limit)
+        finally:
+            self._commits.end(res_id, stored)
+        return stored
+
+    async def _publish(self, res_id: str, items: list[tuple[str, Value | None]],
+                       limit: int | None) -> list[bool]:
+        """Publish a reservation's filled ranges (within the tenant's quota ``limit``) and
+        write them behind to disk and Redis; per key whether host memory took it."""
         if limit is not None and items:
             tenant = tenant_of(items[0][0])
             filled = [(k, v) for k, v in items if v is not None]
@@ -384,6 +400,7 @@ class KeyValueStore:
         done = [(k, v) for k, v in items if v is not None]
         keys = [k for k, _ in done]
         self._changes.changing(keys)  # its background writes keep it in flight
+        self._commits.watch(res_id, keys)
         try:
             for key, value in done:
                 self.host.publish(key, value)

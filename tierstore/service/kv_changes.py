@@ -66,11 +66,21 @@ class Changes:
         return ReadMark(tuple(keys), self._count,
                         frozenset(k for k in keys if k in self._in_flight))
 
+    def watch(self, keys: Sequence[str]) -> ReadMark:
+        """Watch ``keys`` for changes from now on (a change in flight now does not count);
+        ask :meth:`changed_since`, and stop with :meth:`end_read`."""
+        for key in keys:
+            self._reading[key] = self._reading.get(key, 0) + 1
+        return ReadMark(tuple(keys), self._count, frozenset())
+
+    def changed_since(self, mark: ReadMark) -> set[str]:
+        """The keys of ``mark`` a change began for since it was taken."""
+        return {k for k in mark.keys if self._changed_at.get(k, -1) > mark.start}
+
     def end_read(self, mark: ReadMark) -> set[str]:
         """The read of ``mark`` has its bytes: the keys it must not publish (changed while it
         read, or a change of them was in flight when it began)."""
-        stale = {k for k in mark.keys if self._changed_at.get(k, -1) > mark.start}
-        stale |= mark.busy
+        stale = self.changed_since(mark) | mark.busy
         for key in mark.keys:
             left = self._reading.pop(key) - 1
             if left:

@@ -15,7 +15,9 @@ Every data call names the segment the client mapped (409 when it is not this ser
   per read;
 - ``/v1/storage/shm_reserve`` holds unpublished ranges; the client copies into them;
   ``/v1/storage/shm_commit`` makes them visible (and writes them through to Redis), or
-  ``/v1/storage/shm_abort`` returns them. An uncommitted reservation is reclaimed after
+  ``/v1/storage/shm_abort`` returns them. A commit sent again (its answer lost) gets the
+  first answer for ``--lease-ttl`` seconds, or 409 ``reservation_superseded`` once a key of
+  it was put or deleted since (:mod:`.kv_commits`). An uncommitted reservation is reclaimed after
   ``--reservation-ttl`` seconds: a client that dies between reserve and commit leaves nothing
   visible. A principal holds at most its reservation quota (count and bytes; 429
   ``reservation_quota`` beyond), the service at most ``max_reservations`` (503
@@ -45,6 +47,7 @@ from tierstore.service.access import principal, require_write, store_namespace
 from tierstore.service.codec import MSGPACK, HTTPError, field, read_body, tokens_field
 from tierstore.service.config import ServiceConfig
 from tierstore.service.kv import KeyValueStore
+from tierstore.service.kv_commits import CommitSuperseded
 from tierstore.service.kv_host import Value
 from tierstore.shm_client import copy_bytes
 from tierstore.store import TierStore
@@ -203,11 +206,15 @@ class ShmRoutes:
         who = require_write(request)  # before the body: a refused write reads none of it
         body = await read_body(request)
         res_id = field(body, "reservation", str)
-        stored = await self.kv.commit(res_id, who.id, limit=who.tenant.max_value_bytes)
+        try:
+            stored = await self.kv.commit(res_id, who.id, limit=who.tenant.max_value_bytes)
+        except CommitSuperseded as exc:
+            raise HTTPError(409, "reservation_superseded", str(exc)) from None
         if stored is None:
             raise HTTPError(404, "unknown_reservation", f"reservation {res_id:.24} is not held "
-                            f"(committed, aborted, expired after "
-                            f"{self.service.config.reservation_ttl_s} s, or never issued to "
+                            f"(aborted, expired after "
+                            f"{self.service.config.reservation_ttl_s} s, committed over "
+                            f"{self.service.config.lease_ttl_s} s ago, or never issued to "
                             f"you)")
         return web.json_response({"stored": stored})
 
