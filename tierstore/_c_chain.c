@@ -2,6 +2,7 @@
 //
 // chain:   h_i = sha256(h_{i-1} || page_i) for a run of pages of packed uint32 LE tokens.
 // shared:  how many leading pages two packed prompts have in common.
+// pack:    a token array's leading pages as bytes (the memo's key and record).
 // narrow_i64 / pack_ints: token ids (int64 buffer, list or tuple of ints) into a uint32 buffer,
 //          with the range check in the same pass.
 //
@@ -325,11 +326,45 @@ pack_ints(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
     return PyBool_FromLong(ok);
 }
 
+PyDoc_STRVAR(pack_doc,
+"pack(tokens, count) -> bytes | None\n\n"
+"The first count items of a 1-D C-contiguous uint32 buffer (a token array) as bytes; None\n"
+"when tokens holds other items, more dimensions or is not contiguous (the caller converts\n"
+"it). Changes nothing.");
+
+static PyObject *
+pack(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "pack() takes 2 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    Py_ssize_t count;
+    if (get_count(args[1], "pack", "count", &count) < 0) return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_FORMAT | PyBUF_STRIDES) < 0) return NULL;
+    PyObject *result = NULL;
+    const char *f = plain_format(&view);
+    if (view.ndim != 1 || view.itemsize != 4
+            || !(strcmp(f, "I") == 0 || (strcmp(f, "L") == 0 && sizeof(long) == 4))
+            || !PyBuffer_IsContiguous(&view, 'C')) {
+        result = Py_NewRef(Py_None);
+    } else if (count > view.len / 4) {
+        PyErr_Format(PyExc_ValueError, "pack(): count %zd is past the %zd items", count,
+                     view.len / 4);
+    } else {
+        result = PyBytes_FromStringAndSize(view.buf, count * 4);
+    }
+    PyBuffer_Release(&view);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"chain", (PyCFunction)(void (*)(void))chain, METH_FASTCALL, chain_doc},
     {"shared", (PyCFunction)(void (*)(void))shared, METH_FASTCALL, shared_doc},
     {"narrow_i64", (PyCFunction)(void (*)(void))narrow_i64, METH_FASTCALL, narrow_i64_doc},
     {"pack_ints", (PyCFunction)(void (*)(void))pack_ints, METH_FASTCALL, pack_ints_doc},
+    {"pack", (PyCFunction)(void (*)(void))pack, METH_FASTCALL, pack_doc},
     {NULL, NULL, 0, NULL},
 };
 

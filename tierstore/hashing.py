@@ -159,6 +159,8 @@ class PageHasher:
         self._memo: OrderedDict[tuple[str, bytes], tuple[bytes, tuple[bytes, ...]]] = \
             OrderedDict()
         self._roots: dict[str, bytes] = {}
+        # the last call's (namespace, packed tokens, keys): a repeat skips the memo's lookups
+        self._last: tuple[str, bytes, tuple[bytes, ...]] = ("", b"", ())
         # the compiled SHA-256 chain; xxh3 and the pure-Python path hash page by page below
         self._c = _c if native and algorithm == "sha256" else None
 
@@ -177,7 +179,14 @@ class PageHasher:
         if n == 0:
             return []
         step = self.page_size * 4
-        packed = tokens[: n * self.page_size].astype("<u4", copy=False).tobytes()
+        packed = self._c.pack(tokens, n * self.page_size) if self._c is not None else None
+        if packed is None:
+            packed = tokens[: n * self.page_size].astype("<u4", copy=False).tobytes()
+        last = self._last
+        if last[1] == packed and last[0] == namespace:
+            # the prompt of the call before (an insert after its match): the memo would return
+            # the same keys from the entry that call left most recently used, so nothing changes
+            return list(last[2])
         memo_key = (namespace, packed[:step])
         seen = self._memo.get(memo_key)
         keys: list[bytes] = []
@@ -185,7 +194,9 @@ class PageHasher:
             seen_packed, seen_keys = seen
             if seen_packed.startswith(packed):
                 self._memo.move_to_end(memo_key)
-                return list(seen_keys[:n])
+                found = seen_keys[:n]
+                self._last = (namespace, packed, found)
+                return list(found)
             if packed.startswith(seen_packed):
                 keys = list(seen_keys)
             else:  # the shared leading pages (the first is, by the memo key)
@@ -206,18 +217,21 @@ class PageHasher:
             for i in range(len(keys), n):
                 h = digest(h + packed[i * step : (i + 1) * step]).digest()
                 keys.append(h)
-        self._remember(memo_key, packed, keys)
+        self._last = (namespace, packed, self._remember(memo_key, packed, keys))
         return keys
 
-    def _remember(self, memo_key: tuple[str, bytes], packed: bytes, keys: list[bytes]) -> None:
-        """Keep ``keys`` (as an immutable copy: callers own the lists they get)."""
+    def _remember(self, memo_key: tuple[str, bytes], packed: bytes, keys: list[bytes]
+                  ) -> tuple[bytes, ...]:
+        """Keep ``keys`` (as an immutable copy: callers own the lists they get); returns it."""
+        kept = tuple(keys)
         if len(packed) > self._memo_bytes // 4:
-            return
+            return kept
         old = self._memo.pop(memo_key, None)
         if old is not None:
             self._memo_used -= len(old[0])
-        self._memo[memo_key] = (packed, tuple(keys))
+        self._memo[memo_key] = (packed, kept)
         self._memo_used += len(packed)
         while self._memo_used > self._memo_bytes:
             _, (gone, _) = self._memo.popitem(last=False)
             self._memo_used -= len(gone)
+        return kept

@@ -101,15 +101,20 @@ def test_hasher_paths_agree_keys_and_memo(native: ModuleType,
     fast = PageHasher("m", "l", page, memo_bytes=memo_bytes)
     slow = PageHasher("m", "l", page, memo_bytes=memo_bytes, native=False)
     fresh = PageHasher("m", "l", page, memo_bytes=0, native=False)
+    # the memo alone: its record of the call before is forgotten before every call
+    plain = PageHasher("m", "l", page, memo_bytes=memo_bytes, native=False)
     assert fast._c is native and slow._c is None
-    for ns, prompt in prompts:
+    for ns, prompt in prompts + prompts[-1:]:
         toks = as_tokens(np.array(prompt, np.int64))
-        got = fast.pages(toks, ns)
-        assert got == slow.pages(toks, ns) == fresh.pages(toks, ns)
-        got.clear()  # callers own their lists on both paths
-        # the memo holds the same entries in the same (LRU) order
-        assert list(fast._memo.items()) == list(slow._memo.items())
-        assert fast._memo_used == slow._memo_used
+        for _ in range(2):  # a match, then the insert of the same prompt
+            got = fast.pages(toks, ns)
+            plain._last = ("", b"", ())
+            assert got == slow.pages(toks, ns) == fresh.pages(toks, ns) == plain.pages(toks, ns)
+            got.clear()  # callers own their lists on both paths
+            # the memo holds the same entries in the same (LRU) order
+            for other in (slow, plain):
+                assert list(fast._memo.items()) == list(other._memo.items())
+                assert fast._memo_used == other._memo_used
 
 
 def test_hasher_keeps_xxh3_and_opt_out_on_python(native: ModuleType) -> None:
@@ -233,6 +238,20 @@ def test_packers_reject_bad_arguments() -> None:
     assert _c.pack_ints((0, 2**32 - 1, 7), out) is True and out.tolist() == [0, 2**32 - 1, 7]
 
 
+def test_pack_takes_only_flat_contiguous_uint32() -> None:
+    arr = np.arange(10, dtype="<u4")
+    assert _c.pack(arr, 6) == arr[:6].tobytes() and _c.pack(arr, 0) == b""
+    for other in (arr[::2], arr.astype(">u4"), arr.astype(np.int64), arr.reshape(2, 5),
+                  np.array(7, "<u4")):
+        assert _c.pack(other, 1) is None  # the caller converts these
+    with pytest.raises(ValueError):
+        _c.pack(arr, 11)
+    with pytest.raises(ValueError):
+        _c.pack(arr, -1)
+    with pytest.raises(TypeError):
+        _c.pack([1, 2], 1)
+
+
 def test_buffers_are_released_on_every_path() -> None:
     """A bytearray cannot be resized while a buffer on it is held: after each call (returned or
     raised) every one must be resizable again."""
@@ -249,6 +268,9 @@ def test_buffers_are_released_on_every_path() -> None:
         lambda: _c.narrow_i64(memoryview(packed).cast("q"), memoryview(packed).cast("I")),
         lambda: _c.pack_ints([1, 2], memoryview(out).cast("I")),
         lambda: _c.pack_ints([1, 2, 3], memoryview(out).cast("I")),
+        lambda: _c.pack(memoryview(packed).cast("I"), 4),
+        lambda: _c.pack(memoryview(packed).cast("I"), 5),
+        lambda: _c.pack(memoryview(packed).cast("i"), 1),
     ]
     for call in calls:
         with contextlib.suppress(TypeError, ValueError):
