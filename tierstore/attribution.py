@@ -32,11 +32,9 @@ import logging
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from itertools import compress, repeat
-from operator import not_
 from typing import TYPE_CHECKING
 
-from tierstore.ghost import DEFAULT_CAPACITY, GhostIndex
+from tierstore.ghost import DEFAULT_CAPACITY, Ghost, GhostIndex
 
 if TYPE_CHECKING:
     from tierstore.layout import ModelLayout
@@ -105,7 +103,7 @@ class Attribution:
         self.page = layout.page_size
         self.state = layout.state is not None
         self.swa = layout.swa is not None
-        self.ghost = GhostIndex(ghost_capacity)
+        self.ghost: Ghost = GhostIndex(ghost_capacity)
         self.on_drop: Callable[[list[bytes], int], None] | None = self.ghost.add
         self.tenant_of = tenant_of
         self._counts: dict[str, list[int]] = {}  # namespace -> slots (see _SLOTS)
@@ -130,8 +128,7 @@ class Attribution:
         if walked > full:  # the index knows pages past the usable prefix: why not usable
             self._beyond(out, path, walked)
         if walked < n_full:
-            first, ghost = keys[walked], self.ghost
-            if first in ghost._young or first in ghost._old:
+            if keys[walked] in self.ghost:
                 self._unknown(out, keys, walked)
             else:  # the usual: a new prompt's tail (see _unknown)
                 out.lost["cold"] = (n_full - walked) * self.page
@@ -184,21 +181,14 @@ class Attribution:
 
     def _unknown(self, out: Explanation, keys: Sequence[bytes], walked: int) -> None:
         """The reasons of pages past the index's walk, some of which the ghost remembers:
-        evicted (by the tier that dropped them last) or cold; C-level maps count them.
+        evicted (by the tier that dropped them last) or cold; the ghost counts them in one call.
         Remembered pages are a prefix of them: page keys are chained, so a page is cached only
         under its parent and dropped no later than it (nodes are pruned deepest first, a node's
         pages all at once), and the ghost forgets in the order it heard. So when the first
         missing page is not remembered (a new prompt's tail: the usual case), none is, and
         :meth:`explain` settles them with that one lookup instead of calling this."""
-        ghost = self.ghost
-        young, old = ghost._young, ghost._old
         page = self.page
-        hs = keys[walked:]
-        tiers = list(map(young.get, hs, repeat(0)))
-        counts = [tiers.count(t) for t in range(5)]  # cold, dropped by l1, l2, l3, disk
-        if counts[0] and old:
-            older = list(map(old.get, compress(hs, map(not_, tiers)), repeat(0)))
-            counts = [older.count(0)] + [c + older.count(t) for t, c in enumerate(counts) if t]
+        counts = self.ghost.counts(keys, walked)  # cold, dropped by l1, l2, l3, disk
         lost, evicted = out.lost, out.evicted_from
         if counts[0]:
             lost["cold"] = counts[0] * page

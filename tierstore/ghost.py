@@ -6,26 +6,51 @@ dropped page goes into the young generation; when it holds ``capacity / 2`` entr
 generation is forgotten whole and the young one takes its place. So the index remembers at
 least the last ``capacity / 2`` drops and never more than ``capacity`` (plus one node's pages).
 
-The entries are keyed by the page keys themselves (the bytes objects the index held): an add
-creates no object per page (bytes cache their hash, computed when the index used them), where
-a fingerprint per page (``hash(key)``, a new 64-bit int each) cost 1.8x the time of an add
-(``bench ops``: the ghost's add was the largest single part of the accounting). Cost: the
-key stays alive (65 bytes with its header, 72 as allocated), plus the dict entry and index
-slot: 105-140 bytes per remembered page (sys.getsizeof: 105 at 32k entries), 28-37 MB at the
-default 2^18 entries (fingerprints: 75-100 bytes, 20-26 MB). Lookups compare whole keys: no
-false ``evicted``.
+:data:`GhostIndex` is the compiled one (``tierstore/_c_ghost.c``) where it is built: each
+generation an open-addressing table of 64-bit words, a 61-bit fingerprint of the page key's
+bytes and the tier in 3 bits, no Python object per page: 16-32 bytes per remembered page, 4 MB
+at the default 2^18 pages. In the store's loop it is what made the ghost cheap: the dict kept
+every dropped key object alive (105-140 bytes a page, 28-37 MB), and adding ~24 of them a
+request cost ~30 µs there against ~4 alone (cold dict slots, cold keys, their frees when a
+generation went). Two keys with one fingerprint are one entry, so a cold page reads as
+``evicted`` with probability at most ``n / 2^61`` per lookup (< 1.2e-13 at 2^18 pages); it only
+moves the page between ``cold`` and ``evicted``, never out of the prompt's sum.
+:class:`PyGhostIndex` is the pure-Python path (``TIERSTORE_PURE_PYTHON=1``, or no compiler):
+dicts keyed by the keys themselves, exact, with the same answers but for that collision case.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from itertools import repeat
+import sys
+from collections.abc import Iterable, Sequence
+from itertools import compress, repeat
+from operator import not_
+from typing import Protocol
+
+from tierstore.native import load
 
 DEFAULT_CAPACITY = 1 << 18  # pages remembered at most (at least half of it)
+MAX_TIER = 4  # tier numbers 1-4 (tierstore.radix.Tier: L1, L2, L3, disk)
 
 
-class GhostIndex:
-    """Page keys dropped from every tier, each with the tier that dropped it last (1, 2, 3)."""
+class Ghost(Protocol):
+    """What attribution asks of a ghost index (both paths give it)."""
+
+    capacity: int
+    forgotten: int
+
+    def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None: ...
+    def __len__(self) -> int: ...
+    def __contains__(self, key: object) -> bool: ...
+    def add(self, keys: Iterable[bytes], tier: int) -> None: ...
+    def tier(self, key: bytes) -> int: ...
+    def counts(self, keys: Sequence[bytes], start: int = 0) -> list[int]: ...
+    @property
+    def nbytes(self) -> int: ...
+
+
+class PyGhostIndex:
+    """Page keys dropped from every tier, each with the tier that dropped it last (1-4)."""
 
     __slots__ = ("_half", "_old", "_young", "capacity", "forgotten")
 
@@ -41,10 +66,20 @@ class GhostIndex:
     def __len__(self) -> int:
         return len(self._young) + len(self._old)
 
+    def __contains__(self, key: object) -> bool:
+        return key in self._young or key in self._old
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the two dicts (the keys they keep alive are not counted)."""
+        return sys.getsizeof(self._young) + sys.getsizeof(self._old)
+
     def add(self, keys: Iterable[bytes], tier: int) -> None:
         """Remember ``keys`` (a dropped node's pages) as dropped, last from ``tier``: one
         C-level update per call, no Python step per page. The young generation may overrun
         its half by one call's keys before it ages."""
+        if not 1 <= tier <= MAX_TIER:
+            raise ValueError(f"tier must be in [1, {MAX_TIER}], got {tier}")
         young = self._young
         young.update(zip(keys, repeat(tier)))
         if len(young) >= self._half:
@@ -54,3 +89,21 @@ class GhostIndex:
     def tier(self, key: bytes) -> int:
         """The tier that dropped ``key`` last, or 0 if the index does not remember it."""
         return self._young.get(key) or self._old.get(key, 0)
+
+    def counts(self, keys: Sequence[bytes], start: int = 0) -> list[int]:
+        """Of ``keys[start:]``: how many are not remembered, and how many each tier (1-4)
+        dropped last; C-level maps count them."""
+        if start < 0:
+            raise ValueError(f"start must be >= 0, got {start}")
+        young, old = self._young, self._old
+        hs = keys[start:]
+        tiers = list(map(young.get, hs, repeat(0)))
+        counts = [tiers.count(t) for t in range(MAX_TIER + 1)]
+        if counts[0] and old:
+            older = list(map(old.get, compress(hs, map(not_, tiers)), repeat(0)))
+            counts = [older.count(0)] + [c + older.count(t) for t, c in enumerate(counts) if t]
+        return counts
+
+
+_c = load("tierstore._c_ghost")
+GhostIndex: type[Ghost] = _c.GhostIndex if _c is not None else PyGhostIndex

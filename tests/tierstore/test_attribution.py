@@ -4,13 +4,11 @@ totals and the near-zero-hit warning. Every match's parts sum to its prompt leng
 from __future__ import annotations
 
 import logging
-import sys
 
 import pytest
 import torch
 
 from tierstore.attribution import REASONS, Attribution, default_tenant
-from tierstore.ghost import GhostIndex
 from tierstore.results import MatchResult
 from tierstore.store import TierStore
 
@@ -185,32 +183,6 @@ def test_stats_totals_match_the_results() -> None:
 def test_tenant_of_a_scoped_namespace() -> None:
     assert default_tenant("alpha|chat") == "alpha"
     assert default_tenant("chat") == "default"
-
-
-def test_ghost_is_bounded_and_remembers_the_latest_half() -> None:
-    g = GhostIndex(8)
-    keys = [bytes([i]) * 32 for i in range(20)]
-    for i, k in enumerate(keys):
-        g.add([k], 1 + i % 3)
-        assert len(g) <= 8
-    assert all(g.tier(k) == 1 + i % 3 for i, k in enumerate(keys) if i >= 16)
-    assert g.tier(keys[0]) == 0
-    with pytest.raises(ValueError):
-        GhostIndex(1)
-
-
-def test_ghost_memory_per_entry() -> None:
-    """The documented cost: about 140 bytes per remembered page, the page key it keeps
-    alive included (the index's key objects themselves: no object is made per page)."""
-    g = GhostIndex(1 << 16)
-    keys = [i.to_bytes(32, "little") for i in range((1 << 15) - 1)]
-    before = sys.getsizeof(g._young) + sys.getsizeof(g._old)
-    g.add(keys, 1)
-    assert all(a is b for a, b in zip(g._young, keys, strict=True))
-    held = sum(sys.getsizeof(k) for k in keys)
-    after = sys.getsizeof(g._young) + sys.getsizeof(g._old) + held
-    per = (after - before) / len(g)
-    assert 80 < per < 180, per
 
 
 def test_near_zero_hits_with_shared_prefixes_warn_with_the_histogram(
