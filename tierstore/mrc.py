@@ -15,10 +15,18 @@ page first, so its distance bounds its ancestors'. Hit tokens at size ``C`` are 
 so sampling candidates by their page key estimates it. Page objects weigh their KV (and SWA)
 bytes, a candidate end adds the checkpoint (and, under SWA window retention, the window).
 
-Tiers are read as one LRU hierarchy: L1 holds the most recent ``C1`` bytes, L2 the next
-``C2``, L3 the next ``C3``. A tier's curve at ``m`` times its size is ``H(above + m*C) -
-H(above)``, ``above`` being the bytes of the tiers over it. KV, SWA and state entries are
-counted separately as well (the share of referenced entries of each kind a size would hold).
+Tiers are read as an LRU hierarchy: L1 holds the most recent ``C1`` bytes. L2 is not the
+next ``C2`` bytes: a promotion from L2 (or an insert of pages it holds) *copies* into L1 and L2
+keeps its copy (``Mover._load``), while L2 evicts by the same recency. So L2 holds the most
+recent ``C2`` bytes among L1's pages that keep an L2 copy and every page below L1: a page at
+distance ``d > C1`` is in an L2 of ``m*C2`` bytes iff ``d <= C1 + m*C2 - D_m``, ``D_m`` being
+the bytes in L1 with an L2 copy *at that L2 size*. The shadow measures ``D_m`` itself, per
+multiple: it keeps the boundary of L1's top ``C1`` bytes in its stack, and a bit per multiple
+on each page there saying whether it entered L1 from within that L2's window (a page entering
+from further down, or new, has no copy; a hit in L1 keeps what it had). L1's curve is ``H(m *
+C1)`` (L1 alone decides it); L3 is read as the next ``C3`` bytes past ``C1 + C2``. KV, SWA and
+state entries are counted separately as well (the share of referenced entries of each kind a
+size would hold).
 
 Events are queued and played :data:`BATCH` at a time (and before curves are read): in one pass
 the shadow's tables stay in cache; between the store's own work each request's few probes
@@ -89,8 +97,10 @@ class _Slots:
 
 # A match's touch, left to the next event (a plain tuple: building it is one C call):
 # (pages, last key, keys, candidate end positions or None (no state: every page is one),
-# positions to touch, positions under the page threshold, the page threshold's bytes).
-_Pending = tuple[int, bytes, Sequence[bytes], "list[int] | None", list[int], list[int], bytes]
+# positions to touch, positions under the page threshold, the page threshold's bytes, the
+# distances of the tracked positions before the match, None when it read none).
+_Pending = tuple[int, bytes, Sequence[bytes], "list[int] | None", list[int], list[int], bytes,
+                 "dict[int, float] | None"]
 
 
 class Shadow:
@@ -106,6 +116,8 @@ class Shadow:
             raise ValueError(f"sampling rate must be in (0, 1], got {rate}")
         if max_tracked < 16:
             raise ValueError(f"max_tracked must be >= 16, got {max_tracked}")
+        if not 0 < len(multiples) <= 12 or min(multiples) <= 0:
+            raise ValueError(f"multiples must be 1 to 12 sizes > 0, got {list(multiples)}")
         self.page_size = page_size
         self.state = "state" in units
         self.multiples = tuple(multiples)
@@ -152,6 +164,26 @@ class Shadow:
         self._end_kinds = [(self._kind_hist[k], k) for k in self.kinds]
         self.tokens = 0  # prompt tokens referenced (exact, not sampled)
         self.requests = 0
+        # The L1/L2 overlap (module docstring): slots [_lo, clock) are L1's top C1 bytes
+        # (``_win`` of them); ``_fl[slot]`` the multiples whose L2 holds a copy of that slot's
+        # page, ``_d[j]`` those bytes per multiple; L2's hits are counted per multiple as they
+        # come (``_l2_hit``, ``_l2_kind``), since its window moves with ``_d``.
+        c1, c2 = self.capacities.get("l1"), self.capacities.get("l2")
+        self._overlap = c1 is not None and c2 is not None
+        self._c1 = float(c1 or 0)
+        self._c2 = float(c2 or 0)
+        self._lo = 0
+        self._win = 0.0
+        self._fl = [0] * self._slots
+        n = len(self.multiples)
+        self._d = [0.0] * n
+        self._bits = [tuple(j for j in range(n) if f >> j & 1) for f in range(1 << n)] \
+            if self._overlap else []
+        self._l2_hit = [0.0] * n
+        self._l2_kind = {k: [0.0] * n for k in self.kinds}
+        self._l1_total = [0.0] * n  # without an unbounded tier below: L1 at m*C1 plus L2
+        # a page that becomes a checkpoint end is tracked anew: the copy bits it had
+        self._carry: dict[bytes, int] = {}
 
     # ------------------------------------------------------------------ events
     @property
@@ -228,9 +260,11 @@ class Shadow:
                     ends.append(n - 1)
                 code = self._pages.pop(last, None)
                 if code is not None:  # a tracked page becomes an end: tracked anew below
-                    self._untrack(code)
+                    self._untrack(code, last)
         ends, sampled, _ = self._scan(keys, known)
-        self._touch(keys, ends, sampled, create=True)
+        self._touch(keys, ends, sampled, create=True, seen=known[7] if known else None,
+                    start=known[0] if known else 0)
+        self._carry.clear()
 
     def _scan(self, keys: Sequence[bytes], known: _Pending | None = None
               ) -> tuple[list[int] | None, list[int], list[int]]:
@@ -278,51 +312,98 @@ class Shadow:
             return
         ends, sampled, low = self._scan(keys)
         touched: list[int] = []
+        seen: dict[int, float] = {}  # distances before this request, for the touch's L2 bits
         # the touch is done by the next event (skipped if it is this prompt's insert, which
         # reuses the scan too)
-        self._pending = (len(keys), keys[-1], keys, ends, touched, low, self._page_limit)
-        if not sampled or (ends is not None and not ends):
+        if not sampled or (ends is not None and not ends):  # nothing to read: the touch will
+            self._pending = (len(keys), keys[-1], keys, ends, touched, low, self._page_limit,
+                             None)
             return
+        self._pending = (len(keys), keys[-1], keys, ends, touched, low, self._page_limit, seen)
         pages, page = self._pages, self.page_size
         tree, clock = self._tree, self._clock
         edges, hist = self.edges, self._hist
         w_page, w_end = self._w_page, self._w_end
         refs = self._kind_refs
         last = ends[-1] if ends is not None else len(keys) - 1
+        c1 = self._c1
+        if self._overlap:  # an L2 of m*C2 holds what lies within C1 + m*C2 - D_m
+            thr = self._thresholds()
+            top = max(thr)
+            l1_thr = None if self.unbounded_below else self._l1_thresholds()
         for i in sampled:
             code = pages.get(keys[i])
             if code is None:
                 continue
+            dist = tree.suffix(code >> 1, clock)  # its bytes + newer
+            seen[i] = dist
             if i <= last:
                 touched.append(i)
-            b = bisect.bisect_left(edges, tree.suffix(code >> 1, clock))  # its bytes + newer
+            b = bisect.bisect_left(edges, dist)
             if ends is None:  # every page is a candidate: its own tokens hit at this size
                 weight = w_page
-                hist[b] += page * weight
+                hit = page * weight
                 kinds = self._page_kinds
             else:
                 k = bisect.bisect_left(ends, i)
                 if k < len(ends) and ends[k] == i:  # a candidate: the tokens since the one
                     weight = w_end  # before it hit at this size
-                    hist[b] += (i + 1 - (ends[k - 1] + 1 if k else 0)) * page * weight
+                    hit = (i + 1 - (ends[k - 1] + 1 if k else 0)) * page * weight
                     kinds = self._end_kinds
                 else:
                     weight = w_page
+                    hit = 0.0
                     kinds = self._page_kinds
+            hist[b] += hit
             for h, kind in kinds:
                 h[b] += weight
                 refs[kind] += weight
+            if self._overlap:
+                if c1 < dist <= top:
+                    l2_hit, l2_kind = self._l2_hit, self._l2_kind
+                    for j, t in enumerate(thr):
+                        if dist <= t:
+                            l2_hit[j] += hit
+                            for _, kind in kinds:
+                                l2_kind[kind][j] += weight
+                if l1_thr is not None:
+                    for j, t in enumerate(l1_thr):
+                        if dist <= t:
+                            self._l1_total[j] += hit
+
+    def _thresholds(self) -> list[float]:
+        """Per multiple ``m``: the deepest distance an L2 of ``m*C2`` bytes serves."""
+        c1, c2 = self._c1, self._c2
+        values, s = self._tree.values, self._lo - 1
+        while s >= 0 and not values[s]:
+            s -= 1
+        floor = c1 + (values[s] if s >= 0 else 0.0)
+        return [max(c1 + m * c2 - d, floor) for m, d in zip(self.multiples, self._d, strict=True)]
+
+    def _l1_thresholds(self) -> list[float]:
+        """Per multiple ``m`` of L1: the deepest distance L1 + L2 serve with L1 at ``m*C1``,
+        plus a bounded L3. The overlap is measured at L1's own size only (the multiple nearest
+        1): a smaller L1 is taken to hold copies in proportion, a larger one as many."""
+        j = min(range(len(self.multiples)), key=lambda j: abs(self.multiples[j] - 1))
+        d, below = self._d[j], self._c2 + self.capacities.get("l3", 0)
+        return [m * self._c1 - min(m, 1.0) * d + below for m in self.multiples]
 
     def _flush(self, pending: _Pending) -> None:
         """The touch a match left to the next event."""
         if pending[4]:
-            self._touch(pending[2], pending[3], pending[4], create=False)
+            self._touch(pending[2], pending[3], pending[4], create=False, seen=pending[7],
+                        start=pending[0])
 
     def _touch(self, keys: Sequence[bytes], ends: list[int] | None, sampled: list[int], *,
-               create: bool) -> None:
+               create: bool, seen: dict[int, float] | None = None, start: int = 0) -> None:
         """Move the tracked pages at the ``sampled`` positions of ``keys`` to the top, deepest
         first (so it is the least recent of them); with ``create``, those not yet tracked
-        join (as candidate ends where ``ends`` says so)."""
+        join (as candidate ends where ``ends`` says so). ``seen``: distances before the
+        request, by position, of every tracked one before ``start`` (the L2 copy bits of
+        pages coming into L1)."""
+        if self._overlap:
+            self._touch_overlap(keys, ends, sampled, create, seen, start)
+            return
         pages = self._pages
         values, sums = self._tree.values, self._tree.sums
         wb = self._wb
@@ -356,10 +437,122 @@ class Shadow:
         if len(pages) - self._num_ends > self.max_tracked or self._num_ends > self.max_tracked:
             self._lower_rate()
 
-    def _untrack(self, code: int) -> None:
+    def _touch_overlap(self, keys: Sequence[bytes], ends: list[int] | None,
+                       sampled: list[int], create: bool, seen: dict[int, float] | None,
+                       start: int) -> None:
+        """:meth:`_touch`, keeping L1's window and its L2 copy bits (a page from below L1
+        gets the bits its distance earns; one in L1 keeps its own; a new one has none)."""
+        pages = self._pages
+        tree = self._tree
+        values, sums = tree.values, tree.sums
+        wb = self._wb
+        clock = self._clock
+        fl, d, bits, carry = self._fl, self._d, self._bits, self._carry
+        lo, win, c1 = self._lo, self._win, self._c1
+        thr = self._thresholds()
+        # As in the store, the request's pages come in together (its path is locked while
+        # they do): whether a page was in L1, and its distance, are read before any of them
+        # moves, and L1's window moves past its oldest pages once they all did.
+        if seen is None or start < len(keys):
+            start = start if seen is not None else 0
+            seen = dict(seen) if seen else {}
+            for i in sampled[bisect.bisect_left(sampled, start):]:
+                at = pages.get(keys[i], -1) >> 1
+                if 0 <= at < lo:
+                    seen[i] = tree.suffix(at, clock)
+        for i in reversed(sampled):
+            key = keys[i]
+            code = pages.get(key)
+            if code is None:
+                if not create:
+                    continue
+                is_end = 1 if ends is not None and i in ends else 0
+                self._num_ends += is_end
+                f = carry.get(key, 0) if carry else 0
+            else:
+                is_end = code & 1
+                slot = code >> 1
+                f = 0
+                if slot >= 0:
+                    v = wb[is_end]
+                    if slot >= lo:  # a hit in L1: its copy stays as it was
+                        f = fl[slot]
+                        win -= v
+                        for j in bits[f]:
+                            d[j] -= v
+                    else:
+                        dist = seen[i]
+                        for j, t in enumerate(thr):
+                            if dist <= t:
+                                f |= 1 << j
+                    fl[slot] = 0
+                    values[slot] -= v
+                    sums[slot >> _SHIFT] -= v
+            if clock >= self._slots:
+                if code is not None:  # off the stack while the slots are renumbered
+                    pages[key] = -2 | is_end
+                self._clock, self._lo, self._win = clock, lo, win
+                self._compact()
+                tree = self._tree
+                values, sums, wb, fl = tree.values, tree.sums, self._wb, self._fl
+                clock, lo, win = self._clock, self._lo, self._win
+            pages[key] = clock << 1 | is_end
+            v = wb[is_end]
+            values[clock] = v  # slots at and past the clock are empty
+            sums[clock >> _SHIFT] += v
+            fl[clock] = f
+            win += v
+            for j in bits[f]:
+                d[j] += v
+            clock += 1
+        while win > c1 and lo < clock:  # the oldest of L1's window leave it
+            v = values[lo]
+            if v:
+                win -= v
+                for j in bits[fl[lo]]:
+                    d[j] -= v
+            lo += 1
+        self._clock, self._lo, self._win = clock, lo, win
+        if len(pages) - self._num_ends > self.max_tracked or self._num_ends > self.max_tracked:
+            self._lower_rate()
+
+    def _untrack(self, code: int, key: bytes) -> None:
+        """Take a tracked page off the stack (it becomes a checkpoint end, tracked anew by the
+        touch that follows, with the L2 copy bits it had)."""
         if code >= 0:
-            self._tree.add(code >> 1, -self._wb[code & 1])
+            slot = code >> 1
+            v = self._wb[code & 1]
+            if self._overlap:
+                f = 0
+                if slot >= self._lo:
+                    f = self._fl[slot]
+                    self._win -= v
+                    for j in self._bits[f]:
+                        self._d[j] -= v
+                else:
+                    dist = self._tree.suffix(slot, self._clock)
+                    for j, t in enumerate(self._thresholds()):
+                        if dist <= t:
+                            f |= 1 << j
+                self._fl[slot] = 0
+                self._carry[key] = f
+            self._tree.add(slot, -v)
         self._num_ends -= code & 1
+
+    def _window(self) -> None:
+        """Find L1's window and its copy bytes afresh (slots renumbered or reweighed)."""
+        if not self._overlap:
+            return
+        values, fl, bits = self._tree.values, self._fl, self._bits
+        d = [0.0] * len(self._d)
+        win, lo = 0.0, self._clock
+        while lo > 0 and win + values[lo - 1] <= self._c1:
+            lo -= 1
+            v = values[lo]
+            win += v
+            for j in bits[fl[lo]]:
+                d[j] += v
+        self._lo, self._win, self._d = lo, win, d
 
     def _compact(self) -> None:
         """Renumber the live slots 0..n-1 in recency order, at the current weights (slots ran
@@ -368,11 +561,15 @@ class Shadow:
         wb, pages = self._wb, self._pages
         live = sorted((code, key) for key, code in pages.items() if code >= 0)  # slot order
         values = [0.0] * self._slots
+        old, fl = self._fl, [0] * self._slots
         for slot, (code, key) in enumerate(live):
             pages[key] = slot << 1 | code & 1
             values[slot] = wb[code & 1]
+            fl[slot] = old[code >> 1]
         self._tree = _Slots(values)
+        self._fl = fl
         self._clock = len(live)
+        self._window()
 
     def _reweigh(self) -> None:
         """Rebuild the slots at the current weights, keeping every page's slot: a rate
@@ -382,10 +579,14 @@ class Shadow:
         self._set_weights()
         wb = self._wb
         values = [0.0] * self._slots
+        old, fl = self._fl, [0] * self._slots  # dropped pages' bits go with them
         for code in self._pages.values():
             if code >= 0:
                 values[code >> 1] = wb[code & 1]
+                fl[code >> 1] = old[code >> 1]
         self._tree = _Slots(values)
+        self._fl = fl
+        self._window()
 
     def _lower_rate(self) -> None:
         """Halve a rate until at most ``max_tracked`` pages (and ends) are tracked
@@ -435,16 +636,31 @@ class Shadow:
         above = 0
         caps = [(t, self.capacities[t]) for t in ("l1", "l2", "l3") if t in self.capacities]
         all_bytes = sum(c for _, c in caps)
+        hist = self._hist
         for tier, cap in caps:
-            base = self._cum(self._hist, above)
+            base = self._cum(hist, above)
             hit, total, kinds = [], [], {}
-            for m in self.multiples:
+            for j, m in enumerate(self.multiples):
                 size = above + m * cap
-                hit.append((self._cum(self._hist, size) - base) / tokens)
-                total.append((sum(self._hist) if self.unbounded_below else
-                              self._cum(self._hist, all_bytes + (m - 1) * cap)) / tokens)
+                everything = all_bytes + (m - 1) * cap
+                if self._overlap and tier == "l2":  # counted per multiple as they came
+                    hit.append(self._l2_hit[j] / tokens)
+                    below = self._cum(hist, everything) - self._cum(hist, size)  # L3's
+                    total.append((sum(hist) if self.unbounded_below else
+                                  self._cum(hist, above) + self._l2_hit[j] + below) / tokens)
+                    continue
+                hit.append((self._cum(hist, size) - base) / tokens)
+                if self.unbounded_below:
+                    total.append(sum(hist) / tokens)
+                elif self._overlap and tier == "l1":
+                    total.append(self._l1_total[j] / tokens)
+                else:
+                    total.append(self._cum(hist, everything) / tokens)
             for kind in self.kinds:
                 refs = self._kind_refs[kind] or 1.0
+                if self._overlap and tier == "l2":
+                    kinds[kind] = [v / refs for v in self._l2_kind[kind]]
+                    continue
                 h = self._kind_hist[kind]
                 b = self._cum(h, above)
                 kinds[kind] = [(self._cum(h, above + m * cap) - b) / refs
