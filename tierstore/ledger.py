@@ -50,7 +50,8 @@ class Ledger:
 
     def adopt(self, kind: str, ids: Iterable[int]) -> None:
         """Blocks pass to the cache: the caller's (inserted) or fresh ones (promotion)."""
-        ids = list(ids)
+        if type(ids) is not list:  # (read twice below)
+            ids = list(ids)
         self.handed[kind].difference_update(ids)
         self.cached[kind].update(ids)
 
@@ -85,6 +86,14 @@ class Ledger:
                       key=lambda t: 2.5 if t == 4 else t)
         name = _NAMES[deepest]
         self.hit_requests[name] = self.hit_requests.get(name, 0) + 1
+
+    def hit_l1(self, tokens: int) -> None:
+        """A request served all from L1: :meth:`hit` with ``{1: tokens}``, without reading
+        the other tiers."""
+        self.requests_hit += 1
+        self.tokens_hit += tokens
+        self.hit_tokens["l1"] += tokens
+        self.hit_requests["l1"] += 1
 
     def miss(self) -> None:
         self.hit_requests["miss"] += 1

@@ -58,6 +58,8 @@ class Mover:
         self.config = config
         self.kinds = ledger.kinds
         self.page_kinds = tuple(k for k in PAGE_KINDS if k in self.kinds)
+        self._window = layout.swa_window_pages()  # (read on every match)
+        self._swa, self._state = "swa" in self.page_kinds, "state" in self.kinds
         self.prefetch = Prefetcher(self) if remote is not None else None
         # Told (page keys, tier) of every node dropped from the last tier holding it.
         self.on_drop: Callable[[list[bytes], int], None] | None = None
@@ -268,10 +270,9 @@ class Mover:
         any checkpoint at its end that a lower tier holds)."""
         if not rule.in_l1(path, pages, "kv"):
             return False
-        if "swa" in self.page_kinds and not rule.in_l1(path, pages, "swa", pages - window):
+        if self._swa and not rule.in_l1(path, pages, "swa", pages - window):
             return False
-        return "state" not in self.kinds or not path or _source(path[-1].node, CHECKPOINT,
-                                                                 0) < 2
+        return not self._state or not path or _source(path[-1].node, CHECKPOINT, 0) < 2
 
     def promote(self, path: list[Segment], pages: int, timeout: float | None
                 ) -> tuple[str, dict[int, int]]:
@@ -280,8 +281,7 @@ class Mover:
         source tier. Status: ``ok``; ``no_room`` (L1 could not make room; nothing loaded);
         ``partial`` (some entries were missing in L3 and are now marked absent there);
         ``unavailable`` (an L3 call failed or timed out; L3 marks are kept for later)."""
-        window = self.layout.swa_window_pages()
-        if self._all_in_l1(path, pages, window):  # the common hit: nothing to bring up
+        if self._all_in_l1(path, pages, self._window):  # the common hit: nothing to bring up
             return "ok", ({1: pages, 2: 0, 3: 0, 4: 0} if self.disk is not None
                           else {1: pages, 2: 0, 3: 0})
         wanted, sources = self.wanted(path, pages)

@@ -337,16 +337,19 @@ class RadixIndex:
     def fill(self, node: Node, tier: int, entries: dict[str, list[int]]) -> None:
         """Record whole columns ({kind: per-page entries, each >= 0 or ABSENT}) of a node that
         holds no page entry in ``tier`` yet (a new leaf): one count update, not one per page."""
-        t = tier - 1
+        t, n = tier - 1, len(node.keys)
         held, pages = 0, node._pages[t]
-        if type(pages) is _Absent:  # (the kinds not given become private lists too)
-            pages = {k: v if k in entries else list(v) for k, v in pages.items()}
-        for kind, values in entries.items():
-            assert len(values) == len(node.keys), \
-                f"{kind}: {len(values)} entries, {len(node.keys)} pages"
-            assert pages[kind].count(ABSENT) == len(values), f"{kind}: the column is not empty"
-            pages[kind] = list(values)
-            held += len(values) - values.count(ABSENT)
+        if type(pages) is _Absent:  # a new leaf: its columns hold nothing yet
+            pages = {k: list(entries[k]) if k in entries else list(v) for k, v in pages.items()}
+            for kind, values in entries.items():
+                assert len(values) == n and kind in pages, f"{kind}: {len(values)} entries"
+                held += n - values.count(ABSENT)
+        else:
+            for kind, values in entries.items():
+                assert len(values) == n, f"{kind}: {len(values)} entries, {n} pages"
+                assert pages[kind].count(ABSENT) == n, f"{kind}: the column is not empty"
+                pages[kind] = list(values)
+                held += n - values.count(ABSENT)
         node._pages[t] = pages
         if held:
             self._count(node, t, held)

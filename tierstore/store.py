@@ -97,6 +97,13 @@ class TierStore:
         self._swa_window_only = retention == "window"
         self._tick = 0
         self._window = layout.swa_window_pages()
+        # Read on every request (the config is frozen)
+        self._max_tokens = config.max_tokens
+        self._best_effort = config.prefetch == "best_effort"
+        self._timeout = config.prefetch_timeout_s if config.prefetch == "timeout" else None
+        self._write_through = config.write_policy == "write_through"
+        self._selective = config.write_policy == "write_through_selective"
+        self._swa, self._state = layout.swa is not None, layout.state is not None
         # What 0.5x-4x of each tier would hit.
         self.mrc = shadow_for(config, layout, swa_window_only=self._swa_window_only)
 
@@ -125,11 +132,10 @@ class TierStore:
         window before P are present (models with SWA layers). Parts in L2/L3 are promoted into
         L1, evicting per the stopping rule; if they cannot be, the result falls back to what L1
         alone serves."""
-        toks = checks.tokens(tokens, self.config.max_tokens)
+        toks = checks.tokens(tokens, self._max_tokens)
         keys = self.hasher.pages(toks, check_namespace(namespace))
         prefetch = self.mover.prefetch
-        best_effort = self.config.prefetch == "best_effort"
-        timeout = self.config.prefetch_timeout_s if self.config.prefetch == "timeout" else None
+        best_effort, timeout = self._best_effort, self._timeout
         if prefetch is not None:
             prefetch.pump()
             if best_effort:
@@ -158,7 +164,9 @@ class TierStore:
             if pages == 0:
                 plans.append((0, "none"))
                 break
-            path = rule.cut(path, pages)
+            last = path[-1]
+            if pages < last.node.depth + last.pages:  # (else the cut is the path itself)
+                path = rule.cut(path, pages)
             node = self.index.node_ending_at(path)
             if path[-1].node is not node:  # split: the cut's last node is now the upper part
                 path[-1] = Segment(node, path[-1].pages)
@@ -199,13 +207,17 @@ class TierStore:
         """Build the result of a promoted, locked prefix and count it per tier."""
         self._touch(node, priority, hit=True)
         page = self.layout.page_size
-        self.ledger.hit({t: n * page for t, n in sources.items()})
-        if self.config.write_policy == "write_through_selective":
+        if sources[1] == pages and 4 not in sources:  # all from L1: the common hit
+            self.ledger.hit_l1(pages * page)
+            tiers = {"l1": pages * page, "l2": 0, "l3": 0}
+        else:
+            self.ledger.hit({t: n * page for t, n in sources.items()})
+            tiers = {TIER_NAMES[t]: n * page for t, n in sources.items()}
+        if self._selective:
             for n in self.index.path_to(node):
                 if n.hits == self.config.write_through_hits:
                     self.mover.backup(n)
-        state = node.checkpoint(Tier.L1) if self.layout.state is not None else None
-        tiers = {TIER_NAMES[t]: n * page for t, n in sources.items()}
+        state = node.checkpoint(Tier.L1) if self._state else None
         return MatchResult(pages * page, pages, rule.l1_ids(path, "kv"),
                            rule.l1_ids(path, "swa"), state, Lease(node, self), found, tiers,
                            *lost)
@@ -250,9 +262,7 @@ class TierStore:
     def _usable(self, path: list[Segment], tiers: Sequence[int]) -> tuple[int, int]:
         """Deepest prefix length (pages) the hybrid match rule accepts, and the consecutive KV
         pages present; an entry counts as present when one of ``tiers`` holds it."""
-        layout = self.layout
-        return rule.usable(path, tiers, swa=layout.swa is not None,
-                           state=layout.state is not None, window=self._window)
+        return rule.usable(path, tiers, swa=self._swa, state=self._state, window=self._window)
 
     def demote_idle(self, idle_s: float) -> int:
         """Demote from L1 every unlocked prefix unused for ``idle_s`` seconds (to L2 / L3 when
@@ -306,31 +316,68 @@ class TierStore:
         bytes, a ``uint8`` tensor ``[n, envelope bytes]`` (copied into fresh blocks, evicting as
         needed; ``stored=False`` when they do not fit).
         """
-        toks = checks.tokens(tokens, self.config.max_tokens)
+        toks = checks.tokens(tokens, self._max_tokens)
         ns = check_namespace(namespace)
         page = self.layout.page_size
         n_pages = len(toks) // page
-        units = self._units
-        given = {k: checks.blocks(k, self.kinds, v, units.get(k))
-                 for k, v in (("kv", kv), ("swa", swa),
-                              ("state", [state] if isinstance(state, int) else state))}
+        given = {"kv": self._blocks("kv", kv), "swa": self._blocks("swa", swa),
+                 "state": self._blocks("state", [state] if isinstance(state, int) else state)}
         keys = self.hasher.pages(toks, ns)
         path = self.index.walk(keys)
-        cached = sum(s.pages for s in path)
+        cached = path[-1].node.depth + path[-1].pages if path else 0
         checks.counts(given, self.kinds, page, n_pages, len(toks), cached)
-        lists: dict[str, list[int] | None] = dict.fromkeys(given)
+        lists: dict[str, list[int] | None] = {"kv": None, "swa": None, "state": None}
         as_bytes = False
+        ledger = self.ledger
         for kind, blocks in given.items():
             if blocks is None:
                 continue
             if blocks.dtype == torch.long:
                 ids = lists[kind] = blocks.tolist()
-                checks.owned_ids(kind, ids, self.ledger, path, n_pages)
+                checks.owned_ids(kind, ids, ledger, path, n_pages)
             else:
                 as_bytes = True
+        if as_bytes:  # copy into fresh blocks first, so a shortfall changes nothing
+            stored = self._insert_bytes(given, lists, keys, path, n_pages)
+            if stored is None:
+                return InsertResult(False, 0, cached, False, 0, 0)
+            path = stored
+        done = link(self.index, keys, path, lists, n_pages, cached,
+                    window=self._window if self._swa_window_only else None,
+                    touch=functools.partial(self._touch, priority=priority, hit=False))
+        end, kept, spare = done.end, done.kept, done.spare
+        for kind in self.kinds:
+            if kept[kind]:
+                ledger.adopt(kind, kept[kind])
+            if spare[kind]:  # the caller's (owned_ids checked it): free without re-checking
+                ledger.spare(kind, spare[kind])
+                self.arena.free_owned(kind, spare[kind])
+        duplicates = len(spare["kv"]) + len(spare["swa"]) + len(spare[CHECKPOINT]) \
+            - done.dropped
+        result = InsertResult(True, n_pages - cached, cached, done.checkpoint, duplicates,
+                              done.dropped)
+        self.mrc.insert(keys, lists["state"] is not None)
+        if self._write_through and end is not self.index.root:
+            for node in self.index.path_to(end):
+                self.mover.backup(node)
+        return result
 
-        # Bytes: copy into fresh blocks first, so a shortfall changes nothing.
-        need = checks.bytes_demand(given, path, n_pages) if as_bytes else {}
+    def _blocks(self, kind: str, value: object) -> torch.Tensor | None:
+        """:func:`checks.blocks` for one kind of an insert (ids from ``allocate`` as they are)."""
+        if value is None:
+            return None
+        if (type(value) is torch.Tensor and value.dtype == torch.long and value.ndim == 1
+                and kind in self.kinds):
+            return value
+        return checks.blocks(kind, self.kinds, value, self._units.get(kind))
+
+    def _insert_bytes(self, given: dict[str, torch.Tensor | None],
+                      lists: dict[str, list[int] | None], keys: list[bytes],
+                      path: list[Segment], n_pages: int) -> list[Segment] | None:
+        """Copy the envelope bytes an insert was given into fresh L1 blocks (evicting as
+        needed) and put their ids in ``lists``; the walk of ``keys`` again, or None (nothing
+        changed) when they do not fit."""
+        need = checks.bytes_demand(given, path, n_pages)
         demand = {k: sum(m) for k, m in need.items() if any(m)}
         if demand:
             anchor = self.index.node_ending_at(path) if path else None
@@ -338,7 +385,7 @@ class TierStore:
                 self.index.lock(anchor, +1)
             try:
                 if not self.mover.make_room(demand):
-                    return InsertResult(False, 0, cached, False, 0, 0)
+                    return None
             finally:
                 if anchor is not None:
                     self.index.lock(anchor, -1)
@@ -348,24 +395,7 @@ class TierStore:
             assert data is not None
             ids = self._store_bytes(kind, data, mask)
             lists[kind] = ids if kind != CHECKPOINT or ids[0] >= 0 else None
-        done = link(self.index, keys, path, lists, n_pages, cached,
-                    window=self._window if self._swa_window_only else None,
-                    touch=functools.partial(self._touch, priority=priority, hit=False))
-        end, spare = done.end, done.spare
-        for kind in self.kinds:
-            if done.kept[kind]:
-                self.ledger.adopt(kind, done.kept[kind])
-            if spare[kind]:  # the caller's (owned_ids checked it): free without re-checking
-                self.ledger.spare(kind, spare[kind])
-                self.arena.free_owned(kind, spare[kind])
-        duplicates = sum(len(v) for v in spare.values()) - done.dropped
-        result = InsertResult(True, n_pages - cached, cached, done.checkpoint, duplicates,
-                              done.dropped)
-        self.mrc.insert(keys, lists["state"] is not None)
-        if self.config.write_policy == "write_through" and end is not self.index.root:
-            for node in self.index.path_to(end):
-                self.mover.backup(node)
-        return result
+        return path
 
     def _store_bytes(self, kind: str, data: torch.Tensor, need: list[bool]) -> list[int]:
         """Write the rows of ``data`` that ``need`` marks into fresh L1 blocks (handed to the
