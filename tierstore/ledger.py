@@ -1,14 +1,17 @@
 """The store's one ledger: who owns which L1 blocks, and the counters of what happened.
 
 L1 blocks are either *cached* (the index names them; the cache frees them) or *handed out*
-(returned by ``allocate`` and not yet inserted or freed; the caller owns them). Every change of
-ownership and every counter goes through here, so ``check_integrity`` can compare one place
-with the arena and the index.
+(returned by ``allocate`` and not yet inserted or freed; the caller owns them). The ledger
+records the handed-out ones; the cached ones are what the index names (it keeps no copy of
+its own: a second set, updated for every page inserted and evicted, cost more per request
+than the index's own bookkeeping), so ``check_integrity`` compares the index, the handed-out
+set and the arena's live blocks. Every change of ownership and every counter goes through
+here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from tierstore.errors import ShapeError
 
@@ -21,9 +24,10 @@ _NAMES = {1: "l1", 2: "l2", 3: "l3", 4: "disk"}
 class Ledger:
     """Ownership of L1 blocks per kind, and the store's counters."""
 
-    def __init__(self, kinds: Iterable[str]) -> None:
+    def __init__(self, kinds: Iterable[str], cached: Callable[[str], set[int]]) -> None:
+        """``cached(kind)``: the L1 ids of ``kind`` the index names now."""
         self.kinds = tuple(kinds)
-        self.cached: dict[str, set[int]] = {k: set() for k in self.kinds}
+        self._cached = cached
         self.handed: dict[str, set[int]] = {k: set() for k in self.kinds}
         self.requests = self.requests_hit = self.tokens_queried = self.tokens_hit = 0
         self.evictions = 0
@@ -33,6 +37,11 @@ class Ledger:
         self.hit_requests = dict.fromkeys((*HIT_TIERS, "miss"), 0)
 
     # ------------------------------------------------------------------ ownership
+    def cached(self, kind: str) -> set[int]:
+        """The L1 ids of ``kind`` the cache holds now (read from the index: O(its size), for
+        integrity checks and error messages)."""
+        return self._cached(kind)
+
     def hand_out(self, kind: str, ids: Iterable[int]) -> None:
         """Fresh blocks now belong to a caller."""
         self.handed[kind].update(ids)
@@ -43,21 +52,17 @@ class Ledger:
         handed = self.handed[kind]
         foreign = [i for i in ids if i not in handed]
         if foreign:
-            owner = "the cache" if any(i in self.cached[kind] for i in foreign) else "nobody"
+            cached = self.cached(kind)
+            owner = "the cache" if any(i in cached for i in foreign) else "nobody"
             raise ShapeError(f"{kind}: {len(foreign)} of {len(ids)} ids are not held by the "
                              f"caller (they belong to {owner}), first {foreign[0]}")
         handed.difference_update(ids)
 
     def adopt(self, kind: str, ids: Iterable[int]) -> None:
-        """Blocks pass to the cache: the caller's (inserted) or fresh ones (promotion)."""
-        if type(ids) is not list:  # (read twice below)
-            ids = list(ids)
+        """Blocks pass to the cache (the index now names them): the caller's (inserted) or
+        fresh ones (promotion). Cached blocks that leave the cache need no call: the index
+        stops naming them."""
         self.handed[kind].difference_update(ids)
-        self.cached[kind].update(ids)
-
-    def drop(self, kind: str, ids: Iterable[int]) -> None:
-        """Cached blocks leave the cache (evicted, or freed as duplicates)."""
-        self.cached[kind].difference_update(ids)
 
     def spare(self, kind: str, ids: Iterable[int]) -> None:
         """Handed-out blocks the cache did not keep (duplicates); they are freed."""

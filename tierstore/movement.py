@@ -208,14 +208,11 @@ class Mover:
         if tier == _DISK:
             assert self.disk is not None
             return self.disk.release(self.index, node)
-        l1 = tier == _L1
-        arena = self.arena if l1 else self.host.arena  # type: ignore[union-attr]
+        arena = self.arena if tier == _L1 else self.host.arena  # type: ignore[union-attr]
         removed = self.index.clear(node, tier)
         for kind, ids in removed.items():
             if ids:
                 arena.free_owned(kind, ids)  # the index named them: live, held once
-                if l1:
-                    self.ledger.drop(kind, ids)
         return {k: len(ids) for k, ids in removed.items() if k in self.kinds}
 
     def _prune(self, node: Node, tier: int) -> None:

@@ -80,7 +80,8 @@ class TierStore:
         self.index = RadixIndex(self.policy.key)
         self.hasher = PageHasher(layout.name, layout.fingerprint, layout.page_size,
                                  config.hash_algorithm)
-        self.ledger = Ledger(self.kinds)
+        self.ledger = Ledger(self.kinds, lambda kind: set(_named(self.index, Tier.L1,
+                                                                 (kind,))[kind]))
         self.mover = Mover(self.arena, self.host, self.remote, self.index, layout, self.ledger,
                            config, self.disk)
         # Tiers a match may use: all, and those that never block (L3 can)
@@ -429,23 +430,24 @@ class TierStore:
     def check_integrity(self) -> None:
         """Raise IntegrityError if the arena, the index (its eviction queues included) or their
         agreement with the ledger is broken: every L1 id in the index is live and cached once,
-        and live = cached + handed out."""
+        every id handed out is live and not cached, and live = cached + handed out."""
         self.arena.check_integrity()
         self.index.check_integrity()
         named = {t: _named(self.index, t, self.kinds) for t in (Tier.L1, Tier.L2)}
         ledger = self.ledger
         for kind in self.kinds:
-            ids = named[Tier.L1][kind]
-            if len(ids) != len(set(ids)) or set(ids) != ledger.cached[kind]:
-                raise IntegrityError(f"{kind}: index ids and the ledger's cached set disagree")
-            if ledger.cached[kind] & ledger.handed[kind]:
+            ids, handed = named[Tier.L1][kind], ledger.handed[kind]
+            if len(ids) != len(set(ids)):
+                raise IntegrityError(f"{kind}: the index names an L1 id twice")
+            if not handed.isdisjoint(ids):
                 raise IntegrityError(f"{kind}: ids both cached and handed out")
             live = self.arena.num_live(kind)
-            if live != len(ids) + len(ledger.handed[kind]):
+            if live != len(ids) + len(handed):
                 raise IntegrityError(f"{kind}: {live} live blocks != {len(ids)} cached + "
-                                     f"{len(ledger.handed[kind])} handed out")
-            if ids:
-                self.arena.resolve(kind, ids)  # raises if any is not live
+                                     f"{len(handed)} handed out")
+            for some in (ids, sorted(handed)):
+                if some:
+                    self.arena.resolve(kind, some)  # raises if any is not live
         if self.host is not None:
             self.host.check_integrity()
             for kind in self.kinds:
