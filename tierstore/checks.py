@@ -126,7 +126,8 @@ def owned_ids(kind: str, given: list[int], ledger: Ledger, path: list[Segment],
             pos += seg.pages
     stolen = [i for i in foreign if i not in here]
     if stolen:
-        cached = sum(i in ledger.cached[kind] for i in stolen)
+        in_cache = ledger.cached(kind)
+        cached = sum(i in in_cache for i in stolen)
         if cached:
             raise ShapeError(f"{kind}: {cached} ids already belong to other cached pages")
         raise ShapeError(f"{kind}: {len(stolen)} ids are not live blocks handed out by "
