@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 Transport = Literal["auto", "shm", "http"]
 Sink = Callable[[int, torch.Tensor], bool]
 Source = Callable[[int, torch.Tensor], None]
-# Finished leases that ride on one read request (the service takes up to its max_batch).
+# Finished leases that ride on one read request (and no more than the service's max_batch).
 RELEASES_PER_CALL = 256
 
 
@@ -71,11 +71,15 @@ class SharedMemoryTransport:
     """
 
     def __init__(self, client: Client, segment: SharedSegment, lease_ttl_s: float, *,
-                 release_in_get: bool = False) -> None:
+                 release_in_get: bool = False, max_batch: int | None = None) -> None:
         self.client = client
         self.segment = segment
         self.lease_ttl_s = lease_ttl_s
         self.release_in_get = release_in_get  # the service takes ``release`` lists
+        # The most keys or lease ids the service takes in one request (None: not said, as
+        # from services before it did); longer calls go as several requests.
+        self.max_batch = max_batch
+        self._releases = min(RELEASES_PER_CALL, max_batch or RELEASES_PER_CALL)
         self.defer_release = False
         self._pending: list[str] = []
         self._pending_lock = threading.Lock()
@@ -91,24 +95,42 @@ class SharedMemoryTransport:
                                            int(info["nbytes"]))
             ttl = float(reply["lease_ttl_s"])
             batched = bool(reply.get("release_in_get", False))
+            limit = reply.get("max_batch")
+            max_batch = int(limit) if isinstance(limit, int) and limit > 0 else None
         except ServiceError as exc:
             raise ShmUnavailable(f"the service refused shared memory: {exc}") from exc
         except (ShmError, KeyError, TypeError) as exc:
             raise ShmUnavailable(f"cannot map the service's segment: {exc}") from exc
         except (OSError, asyncio.TimeoutError) as exc:  # the service is unreachable
             raise ServiceUnreachable(f"cannot reach the service: {exc}") from exc
-        return cls(client, segment, ttl, release_in_get=batched)
+        return cls(client, segment, ttl, release_in_get=batched, max_batch=max_batch)
+
+    def _parts(self, n: int) -> list[range]:
+        """``range(n)`` in runs of at most ``max_batch``: one request each."""
+        step = self.max_batch or max(n, 1)
+        return [range(i, min(i + step, n)) for i in range(0, n, step)] or [range(0)]
 
     # ------------------------------------------------------------------ reads
     def get_into(self, keys: Sequence[str], namespace: str, sink: Sink) -> list[bool]:
         """Per key found, ``sink(i, view)`` with the value as a ``uint8`` tensor (a view of
         the segment, valid only during the call; it copies what it keeps and answers whether
         it took the value). Per key whether it was found and taken. LeaseExpired when the
-        service had ended the read lease before the copies finished."""
+        service had ended the read lease before the copies finished. More keys than the
+        service's ``max_batch`` go as several requests, one after the other."""
+        taken: list[bool] = []
+        for part in self._parts(len(keys)):
+            def at(j: int, view: torch.Tensor, base: int = part.start) -> bool:
+                return sink(base + j, view)
+
+            taken += self._get_part(keys[part.start:part.stop], namespace,
+                                    sink if part.start == 0 else at)
+        return taken
+
+    def _get_part(self, keys: Sequence[str], namespace: str, sink: Sink) -> list[bool]:
         sent = time.monotonic()
         body: dict[str, Any] = {"keys": list(keys), "namespace": namespace,
                                 "segment": self.segment.name}
-        done = self._take_pending(RELEASES_PER_CALL)
+        done = self._take_pending(self._releases)
         if done:
             body["release"] = done
         try:
@@ -151,13 +173,14 @@ class SharedMemoryTransport:
         return bool(self._call("/v1/storage/shm_release", {"lease": lease})["released"])
 
     def release_pending(self) -> int:
-        """End every deferred lease now (one request per ``RELEASES_PER_CALL``); how many
-        were sent. A service that cannot be reached ends them itself when they expire."""
+        """End every deferred lease now (one request per ``RELEASES_PER_CALL``, or the
+        service's ``max_batch`` when smaller); how many were sent. A service that cannot be
+        reached ends them itself when they expire."""
         done = self._take_pending(None)
-        for start in range(0, len(done), RELEASES_PER_CALL):
+        for start in range(0, len(done), self._releases):
             try:
                 self._control.call("/v1/storage/shm_release",
-                                   {"leases": done[start:start + RELEASES_PER_CALL]})
+                                   {"leases": done[start:start + self._releases]})
             except (OSError, ServiceError) as exc:
                 log.debug("deferred leases not released (they expire): %s", exc)
         return len(done)
@@ -242,7 +265,20 @@ class SharedMemoryTransport:
         service holds it now. A key whose range could not be reserved is False (send it over
         HTTP; so is every key while this principal holds its quota of reservations, or the
         service all it keeps). If ``source`` raises, the reservation is aborted and nothing
-        becomes visible."""
+        more becomes visible. More keys than the service's ``max_batch`` go as several
+        reservations, one after the other."""
+        stored: list[bool] = []
+        for part in self._parts(len(keys)):
+            def at(j: int, view: torch.Tensor, base: int = part.start) -> None:
+                source(base + j, view)
+
+            stored += self._put_part(keys[part.start:part.stop],
+                                     sizes[part.start:part.stop], namespace,
+                                     source if part.start == 0 else at)
+        return stored
+
+    def _put_part(self, keys: Sequence[str], sizes: Sequence[int], namespace: str,
+                  source: Source) -> list[bool]:
         try:
             reply = self._call("/v1/storage/shm_reserve", {
                 "keys": list(keys), "sizes": [int(n) for n in sizes], "namespace": namespace,

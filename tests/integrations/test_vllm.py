@@ -201,9 +201,9 @@ def random_blocks(keys: list[bytes], seed: int) -> dict[bytes, bytes]:
 
 
 def start_service(redis_server: RedisServer, port: int | None = None,
-                  principals: str | None = None) -> RunningService:
+                  principals: str | None = None, max_batch: int = 4096) -> RunningService:
     config = ServiceConfig(port=port or free_port(), kv_host_bytes=4 << 20,
-                           principals=principals)
+                           principals=principals, max_batch=max_batch)
     store = TierStore(tiny_layout(page_size=4), StoreConfig(capacity_bytes=1 << 20))
     return RunningService(store, config, RemoteTierConfig(url=redis_server.url,
                                                           key_prefix="vllm")).start()
@@ -520,6 +520,38 @@ def test_queued_loads_share_a_request_and_each_job_reports(
         while svc.service.kv.stats()["shm_leases"]:
             assert time.monotonic() < deadline, "read leases still held after the loads"
             time.sleep(0.01)
+
+
+def test_a_service_with_a_small_max_batch_fails_no_job(
+        redis_server: RedisServer, engines: Callable[..., Engine], transport: str) -> None:
+    """A service that takes 4 keys (and lease ids) a request, a tier that sends up to 256 by
+    default: the tier learns the service's limit (the attach answer, or /v1/stats over HTTP)
+    and every store, probe and load job succeeds, byte-exact (they were 413s: failed jobs)."""
+    redis_server.command("FLUSHALL")
+    running = start_service(redis_server, max_batch=4)
+    try:
+        writer = engines(running.url)
+        reader = engines(running.url, load_threads=2)
+        assert reader.tier._io.config.max_batch == 4
+        keys = keys_of("small-batch", 24)
+        blocks = random_blocks(keys, seed=21)
+        writer.store(blocks)  # one store job of 24 blocks
+        stats = writer.manager.get_stats().data["data"]
+        assert stats[tier_metrics.BLOCKS][("store", "ok")] == 24
+        assert reader.lookup(keys) == [LookupResult.HIT] * 24  # probes of <= 4 keys
+        reader.rows[0:24] = 0
+        jobs = load_jobs(keys, 6, 0, 300)  # jobs of 6 blocks, and queued ones batched
+        for job in jobs:
+            reader.tier.submit_load(job)
+        results = finished(reader.tier, len(jobs))
+        assert all(r.success for r in results.values())
+        assert [reader.rows[i].tobytes() for i in range(24)] == [blocks[k] for k in keys]
+        deadline = time.monotonic() + 30
+        while running.service.kv.stats()["shm_leases"]:  # the deferred leases all ended
+            assert time.monotonic() < deadline, "read leases still held after the loads"
+            time.sleep(0.01)
+    finally:
+        running.stop()
 
 
 def test_a_restart_mid_batch_fails_the_jobs_it_cut_never_wrong_bytes(

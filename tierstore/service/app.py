@@ -240,6 +240,10 @@ class Service:
         body["service"] = {"uptime_s": time.time() - self.started, "leases": len(self.leases),
                            "store_busy_s": self.store_busy_s,
                            "requests": dict(self.requests), "kv": self.kv.stats(),
+                           # what one request may carry (clients size their batches by it)
+                           "limits": {"max_batch": self.config.max_batch,
+                                      "max_tokens": self.config.max_tokens,
+                                      "max_body_bytes": self.config.max_body_bytes},
                            "model": self.store.layout.name, "page_size":
                            self.store.layout.page_size,
                            "envelope_bytes": {k: e.nbytes for k, e in

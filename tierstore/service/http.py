@@ -37,10 +37,11 @@ CONTROL_BYTES = 64 << 10  # a body's fields besides its bulk (namespace, lease, 
 KEY_BYTES = 512  # one storage key (at most 400 characters) with its msgpack header, and more
 # Routes by the shape of their bodies (a route not named here gets the default limits).
 PREFIX_ROUTES = ("/v1/match", "/v1/fetch", "/v1/shm/fetch")
+# shm_release takes up to max_batch lease ids (``leases``), as shm_get takes them too.
 KEY_ROUTES = ("/v1/storage/batch_get", "/v1/storage/batch_exists", "/v1/storage/delete",
-              "/v1/storage/shm_get", "/v1/storage/shm_reserve")
-CONTROL_ROUTES = ("/v1/release", "/v1/shm/attach", "/v1/storage/shm_release",
-                  "/v1/storage/shm_commit", "/v1/storage/shm_abort")
+              "/v1/storage/shm_get", "/v1/storage/shm_reserve", "/v1/storage/shm_release")
+CONTROL_ROUTES = ("/v1/release", "/v1/shm/attach", "/v1/storage/shm_commit",
+                  "/v1/storage/shm_abort")
 
 
 def install(app: web.Application, config: ServiceConfig) -> None:

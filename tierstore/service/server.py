@@ -85,6 +85,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-mrc", action="store_true",
                         help="no miss-ratio curves (what 0.5x-4x of each tier would hit)")
     limits = ServiceConfig()
+    parser.add_argument("--max-batch", type=int, default=limits.max_batch,
+                        help="keys (storage API) or pages (insert) one request may carry "
+                             "(413 beyond; clients learn it from /v1/shm/attach and /v1/stats)")
+    parser.add_argument("--max-tokens", type=int, default=limits.max_tokens,
+                        help="token ids one prefix request may carry (413 beyond)")
     parser.add_argument("--max-connections", type=int, default=limits.max_connections,
                         help="open connections; beyond, the longest-idle one is closed")
     parser.add_argument("--idle-timeout", type=float, default=limits.keepalive_timeout_s,
@@ -171,6 +176,7 @@ def build(args: argparse.Namespace, stack: ExitStack) -> tuple[Service, ServiceC
                                        principals=args.principals,
                                        reservation_ttl_s=args.reservation_ttl,
                                        max_body_bytes=parse_size(args.max_body),
+                                       max_batch=args.max_batch, max_tokens=args.max_tokens,
                                        lease_ttl_s=args.lease_ttl,
                                        kv_host_bytes=parse_size(args.kv_host),
                                        shm=not args.no_shm,

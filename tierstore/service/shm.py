@@ -111,9 +111,11 @@ class ShmRoutes:
         if segment is None:
             raise HTTPError(503, "shm_unavailable", "this service keeps values in private "
                                                     "memory (no usable /dev/shm): use HTTP")
+        config = self.service.config
+        # max_batch: the most keys (and lease ids) one request may name; a client splits.
         return _msgpack({"segments": {"kv": {"name": segment.name, "nonce": segment.nonce,
                                              "nbytes": segment.nbytes}},
-                         "lease_ttl_s": self.service.config.lease_ttl_s,
+                         "lease_ttl_s": config.lease_ttl_s, "max_batch": config.max_batch,
                          "release_in_get": True})
 
     async def fetch(self, request: web.Request) -> web.Response:

@@ -13,6 +13,7 @@ job (vLLM recomputes what it lacks), never wrong bytes.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import time
@@ -85,10 +86,15 @@ class TierStoreTier(_Base):
                                          self.block_size_bytes)
         self._log = _LogLimiter(self.config.log_interval_s)
         self._io = ServiceIO(self.config.service_io_config(), _Counters(False), self._log)
+        # Requests stay within the service's own batch limit (413 beyond: failed jobs).
+        limit = self._service_max_batch()
+        if limit is not None and limit < self._io.config.max_batch:
+            self._io.config = dataclasses.replace(self._io.config, max_batch=limit)
         self.metrics = TierMetrics()
         self.presence = PresenceCache(self._probe, present_ttl_s=self.config.present_ttl_s,
                                       absent_ttl_s=self.config.absent_ttl_s,
-                                      batch=self.config.probe_batch)
+                                      batch=min(self.config.probe_batch,
+                                                limit or self.config.probe_batch))
         self._finished: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._loads: BatchWorkers[_Job] = BatchWorkers(
             "tierstore-vllm-load", self.config.load_threads, self._batch_keys,
@@ -180,10 +186,26 @@ class TierStoreTier(_Base):
     # ------------------------------------------------------------------ worker threads
     def _batch_keys(self) -> int:
         """Blocks one request may take from several queued jobs: through the segment a
-        request costs the same control work whatever its size, so jobs go together; over
-        HTTP the bytes travel in the request, and parallel requests of one job each
-        pipeline better (measured ~1.5x) than one large one."""
-        return self.config.max_batch if self._io.mode == "shm" else 0
+        request costs the same control work whatever its size, so jobs go together (up to
+        ``max_batch`` and the service's own limit); over HTTP the bytes travel in the
+        request, and parallel requests of one job each pipeline better (measured ~1.5x)
+        than one large one."""
+        shm = self._io.transport()
+        if shm is None:
+            return 0
+        return min(self._io.config.max_batch, shm.max_batch or self._io.config.max_batch)
+
+    def _service_max_batch(self) -> int | None:
+        """The most keys the service takes in one request, as it says (the shared-memory
+        attach answer, else ``/v1/stats``); None when it cannot be asked now."""
+        shm = self._io.transport()
+        if shm is not None and shm.max_batch is not None:
+            return shm.max_batch
+        if not self._io.reachable:
+            return None
+        stats = self._io.request(None, self._io.client.stats)
+        limit = (stats or {}).get("service", {}).get("limits", {}).get("max_batch")
+        return limit if isinstance(limit, int) and limit > 0 else None
 
     def _run(self, jobs: list[_Job]) -> None:
         """Move a batch of jobs' blocks with one call; report every job exactly once,
