@@ -1,4 +1,5 @@
-// The ghost index, compiled (tierstore/ghost.py's GhostIndex keeps the pure-Python path).
+// The ghost index, compiled (tierstore/ghost.py's GhostIndex keeps the pure-Python path), and
+// the attribution's per-match tally of its totals (tierstore/attribution.py keeps its loops).
 //
 // Two generations, as the pure one, but each is an open-addressing table of 64-bit words:
 // a page key's 61-bit fingerprint shifted left by 3, or-ed with the tier that dropped it
@@ -89,6 +90,18 @@ static inline uint64_t *probe(const Table *t, uint64_t fp) {
         if (e == 0 || (e >> TAG_BITS) == fp) return &t->slots[i];
         i = (i + 1) & t->mask;
     }
+}
+
+// Fetch the keys' objects (header, hash and the first bytes of the key: one or two lines).
+static inline void prefetch_keys(PyObject *const *items, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        __builtin_prefetch(items[i]);
+        __builtin_prefetch((const char *)items[i] + 63);
+    }
+}
+
+static inline void prefetch_slot(const Table *t, uint64_t fp) {
+    if (t->count) __builtin_prefetch(&t->slots[slot_of(t, fp)]);
 }
 
 static inline int table_tier(const Table *t, uint64_t fp) {
@@ -239,12 +252,16 @@ static PyObject *Ghost_add(Ghost *self, PyObject *args) {
     }
     PyObject *result = NULL;
     // Every key is checked (and fingerprinted) before any is remembered: bad input changes
-    // nothing.
+    // nothing. The dropped keys and their slots are cold: all are fetched at once first, so
+    // their misses overlap instead of following one another.
+    prefetch_keys(items, n);
     for (Py_ssize_t i = 0; i < n; i++)
         if (fingerprint(self, items[i], &fps[i]) < 0) goto done;
     if (table_reserve(&self->young, n) < 0) goto done;
     uint64_t tag = (uint64_t)tier;
     Table *young = &self->young;
+    for (Py_ssize_t i = 0; i < n; i++)
+        __builtin_prefetch(&young->slots[slot_of(young, fps[i])], 1);
     for (Py_ssize_t i = 0; i < n; i++) {
         uint64_t *slot = probe(young, fps[i]);
         young->count += (*slot == 0);
@@ -288,13 +305,19 @@ static PyObject *Ghost_counts(Ghost *self, PyObject *args) {
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
     Py_ssize_t counts[MAX_TIER + 1] = {0};
-    for (Py_ssize_t i = start; i < n; i++) {
-        uint64_t fp;
-        if (fingerprint(self, items[i], &fp) < 0) {
-            Py_DECREF(seq);
-            return NULL;
+    uint64_t fps[STACK_KEYS];
+    for (Py_ssize_t first = start; first < n; first += STACK_KEYS) {  // in chunks, prefetched
+        Py_ssize_t m = n - first < STACK_KEYS ? n - first : STACK_KEYS;
+        prefetch_keys(items + first, m);
+        for (Py_ssize_t i = 0; i < m; i++) {
+            if (fingerprint(self, items[first + i], &fps[i]) < 0) {
+                Py_DECREF(seq);
+                return NULL;
+            }
+            prefetch_slot(&self->young, fps[i]);
+            prefetch_slot(&self->old, fps[i]);
         }
-        counts[lookup(self, fp)]++;
+        for (Py_ssize_t i = 0; i < m; i++) counts[lookup(self, fps[i])]++;
     }
     Py_DECREF(seq);
     return Py_BuildValue("[nnnnn]", counts[0], counts[1], counts[2], counts[3], counts[4]);
@@ -362,10 +385,83 @@ static PyTypeObject GhostType = {
     .tp_as_sequence = &Ghost_as_sequence,
 };
 
+// c[slot] += n for each (key, n) of `counts`, the slot being `slots[key]`, or the key itself
+// when `slots` is None. Updates in the dict's order and stops at the first bad item, as the
+// pure path's loop does.
+static int add_into(PyObject *c, PyObject *slots, PyObject *counts) {
+    if (!PyDict_Check(counts)) {
+        PyErr_Format(PyExc_TypeError, "counts must be a dict, got %.100s",
+                     Py_TYPE(counts)->tp_name);
+        return -1;
+    }
+    Py_ssize_t pos = 0;
+    PyObject *key, *n;
+    while (PyDict_Next(counts, &pos, &key, &n)) {
+        PyObject *slot = key;
+        if (slots != Py_None) {
+            slot = PyDict_GetItemWithError(slots, key);
+            if (slot == NULL) {
+                if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, key);
+                return -1;
+            }
+        }
+        Py_ssize_t i = PyNumber_AsSsize_t(slot, PyExc_IndexError);
+        if (i == -1 && PyErr_Occurred()) return -1;
+        if (i < 0 || i >= PyList_GET_SIZE(c)) {
+            PyErr_Format(PyExc_IndexError, "slot %zd out of range [0, %zd)", i,
+                         PyList_GET_SIZE(c));
+            return -1;
+        }
+        // Held while adding: a non-int's __add__ could change the dict or the list.
+        PyObject *had = Py_NewRef(PyList_GET_ITEM(c, i));
+        Py_INCREF(n);
+        PyObject *sum = PyNumber_Add(had, n);
+        Py_DECREF(n);
+        Py_DECREF(had);
+        if (sum == NULL) return -1;
+        if (i >= PyList_GET_SIZE(c)) {
+            Py_DECREF(sum);
+            PyErr_SetString(PyExc_RuntimeError, "counts list changed size during tally");
+            return -1;
+        }
+        PyObject *old = PyList_GET_ITEM(c, i);
+        PyList_SET_ITEM(c, i, sum);
+        Py_DECREF(old);
+    }
+    return 0;
+}
+
+static PyObject *tally(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 6) {
+        PyErr_Format(PyExc_TypeError, "tally takes 6 arguments, got %zd", nargs);
+        return NULL;
+    }
+    PyObject *lost_slots = args[0], *evicted_slots = args[1], *c = args[2];
+    if (!PyDict_Check(lost_slots) || !PyDict_Check(evicted_slots) || !PyList_Check(c)) {
+        PyErr_SetString(PyExc_TypeError, "tally(lost_slots: dict, evicted_slots: dict, "
+                                         "counts: list, sources, lost, evicted: dict)");
+        return NULL;
+    }
+    if (add_into(c, Py_None, args[3]) < 0 || add_into(c, lost_slots, args[4]) < 0 ||
+        add_into(c, evicted_slots, args[5]) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"tally", (PyCFunction)(void (*)(void))tally, METH_FASTCALL,
+     "tally(lost_slots, evicted_slots, counts, sources, lost, evicted): add a match's pages "
+     "by tier (sources: slot = tier), lost tokens by reason and evicted ones by tier (slot "
+     "from the two maps) into the list counts."},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "tierstore._c_ghost",
-    "The ghost index of miss attribution as fingerprint tables (see tierstore.ghost).", -1,
-    NULL, NULL, NULL, NULL, NULL,
+    "Miss attribution, compiled: the ghost index as fingerprint tables (tierstore.ghost) and the "
+    "per-match tally (tierstore.attribution).", -1,
+    module_methods, NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__c_ghost(void) {

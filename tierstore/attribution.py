@@ -32,9 +32,12 @@ import logging
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from tierstore.ghost import DEFAULT_CAPACITY, Ghost, GhostIndex
+from tierstore.native import load
 
 if TYPE_CHECKING:
     from tierstore.layout import ModelLayout
@@ -55,8 +58,26 @@ _LOST = {r: 5 + i for i, r in enumerate(REASONS)}
 _EVICTED = {t: 5 + len(REASONS) + i for i, t in enumerate(_TIERS[1:])}
 _SLOTS = 5 + len(REASONS) + 4
 
+_PAGES = attrgetter("pages")  # of a Segment
 Counts = dict[str, int]
 PlanList = Sequence[tuple[int, str]]
+
+
+def _tally_loops(c: list[int], sources: dict[int, int], lost: Counts, evicted: Counts
+                 ) -> None:
+    """Add a match's pages by tier (slot = tier number), lost tokens by reason and evicted
+    ones by tier into a namespace's slots (the compiled ``tally`` does it in one call)."""
+    for tier, n in sources.items():
+        c[tier] += n
+    for r, n in lost.items():
+        c[_LOST[r]] += n
+    for t, n in evicted.items():
+        c[_EVICTED[t]] += n
+
+
+_c = load("tierstore._c_ghost")
+_tally: Callable[[list[int], dict[int, int], Counts, Counts], None] = (
+    partial(_c.tally, _LOST, _EVICTED) if _c is not None else _tally_loops)
 
 
 def default_tenant(namespace: str) -> str:
@@ -122,9 +143,7 @@ class Attribution:
         n_full = len(keys)
         if full >= n_full:
             return out
-        walked = 0
-        for seg in path:
-            walked += seg.pages
+        walked = sum(map(_PAGES, path))
         if walked > full:  # the index knows pages past the usable prefix: why not usable
             self._beyond(out, path, walked)
         if walked < n_full:
@@ -205,28 +224,22 @@ class Attribution:
         status) per try, in order) between it and what was served, and the tail past the
         last full page. ``best_effort`` matches plan without L3 first: that gap is
         ``l3_unavailable``. Counted in the totals; takes ``why``'s dicts as the result."""
-        page = self.page
         lost, evicted = why.lost, why.evicted_from
         if served != why.full or len(plans) > 1:  # a try fell short of the all-tier prefix
             self._short(lost, evicted, why.full, plans, served)
-        tail = n_tokens - n_pages * page
+        tail = n_tokens - n_pages * self.page
         if tail:
             lost["partial_page"] = tail
         # The totals: plain ints per namespace (hits in pages; labels are built when read).
         c = self._counts.get(namespace)
         if c is None:
             c = self._counts[namespace] = [0] * _SLOTS
-        for tier, n in sources.items():
-            c[tier] += n
-        for r, n in lost.items():
-            c[_LOST[r]] += n
-        if evicted:
-            for t, n in evicted.items():
-                c[_EVICTED[t]] += n
-        self._w_shared += max(sum(sources.values()), why.found)
+        _tally(c, sources, lost, evicted)
+        found = why.found  # the KV some tier holds reaches at least as far as what was served
+        self._w_shared += found if found > served else served
         if "no_checkpoint" in lost:
-            self._w_share.append(why.found * page)
-            self._w_next.append(why.next_checkpoint * page)
+            self._w_share.append(found * self.page)
+            self._w_next.append(why.next_checkpoint * self.page)
         self._w_requests += 1
         if self._w_requests >= self.window:
             self._check_window()

@@ -1,13 +1,15 @@
 """The ghost index, both paths: the pure-Python dicts and the compiled fingerprint tables
 (``tierstore/_c_ghost.c``) give the same answers over random add/lookup sequences; the only
 allowed difference, two keys with one fingerprint, is pinned by comparing the compiled index
-with the pure one keyed by the fingerprints themselves (few bits, so collisions happen)."""
+with the pure one keyed by the fingerprints themselves (few bits, so collisions happen). And
+the attribution's compiled tally against its pure loops."""
 
 from __future__ import annotations
 
 import importlib
 import random
 from collections.abc import Callable
+from functools import partial
 from types import ModuleType
 from typing import Any
 
@@ -16,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tierstore import native
+from tierstore.attribution import _EVICTED, _LOST, _SLOTS, REASONS, _tally_loops
 from tierstore.ghost import DEFAULT_CAPACITY, GhostIndex, PyGhostIndex
 
 
@@ -235,3 +238,38 @@ def test_fingerprint_collisions_are_the_only_difference(bits: int) -> None:
                 assert any(fp(a) == fp(k) for a in added if a != k)
                 differ += 1
     assert differ > 0
+
+
+@needs_c
+def test_compiled_tally_equals_the_loops_and_rejects_bad_input() -> None:
+    """The attribution's per-match tally: the compiled call adds exactly what the pure
+    loops add, over random matches; bad input raises (no crash)."""
+    assert _C is not None
+    tally = partial(_C.tally, _LOST, _EVICTED)
+    rng = random.Random(7)
+    c_fast, c_loops = [0] * _SLOTS, [0] * _SLOTS
+    for _ in range(500):
+        sources = {t: rng.randint(0, 9) for t in range(1, rng.randint(1, 5))}
+        lost = {r: rng.randint(1, 999) for r in rng.sample(REASONS, rng.randint(0, 3))}
+        evicted = {t: rng.randint(1, 99) for t in rng.sample(sorted(_EVICTED), rng.randint(0, 2))}
+        tally(c_fast, sources, lost, evicted)
+        _tally_loops(c_loops, sources, lost, evicted)
+    assert c_fast == c_loops and sum(c_fast) > 0
+    c = [0] * _SLOTS
+    with pytest.raises(KeyError):
+        tally(c, {}, {"nope": 1}, {})
+    with pytest.raises(IndexError):
+        tally(c, {_SLOTS: 1}, {}, {})
+    with pytest.raises(IndexError):
+        tally(c, {-1: 1}, {}, {})
+    with pytest.raises(TypeError):
+        tally(c, {"1": 1}, {}, {})
+    with pytest.raises(TypeError):
+        tally(c, {1: "x"}, {}, {})
+    with pytest.raises(TypeError):
+        tally(c, [(1, 1)], {}, {})
+    with pytest.raises(TypeError):
+        tally(tuple(c), {}, {}, {})
+    with pytest.raises(TypeError):
+        _C.tally(_LOST, _EVICTED, c, {}, {})
+    assert c == [0] * _SLOTS  # every bad item came first: nothing was added
