@@ -13,7 +13,7 @@ import kernels
 from gpu_arena import compaction
 from gpu_arena.fence import Fence, FenceMode, Fences
 from gpu_arena.ids import IdsLike, checked_ids
-from gpu_arena.planner import Plan, ceil_div, plan
+from gpu_arena.planner import Plan, ceil_div, fits, plan
 from gpu_arena.pool import Pool
 from gpu_arena.spec import ALIGN, ANCHORS, ArenaError, IntegrityError, PoolSpec
 from gpu_arena.stats import ArenaStats, PoolStats
@@ -83,6 +83,7 @@ class Arena:
         by_anchor = {p.anchor: p for p in self._pools.values()}
         self._low, self._float, self._high = (by_anchor.get(a) for a in ("low", "float", "high"))
         self._fences = Fences(self._pools)
+        self._pending = self._fences.pending  # the hot paths test it (a list: no call)
         self._views = Views(self._buf)
         self.compactions = 0
 
@@ -118,8 +119,18 @@ class Arena:
     def alloc_ids(self, pool: str, n: int) -> list[int] | None:
         """:meth:`alloc` with the ids as a list (the store's path: no tensor to build and
         convert back). Same checks, same effect, same ``None``."""
-        p = self._pool(pool)
-        slots = self._free_slots(p, _count(pool, n))
+        p = self._pools.get(pool)
+        if p is None:
+            p = self._pool(pool)  # raises, naming the pools
+        if type(n) is not int or n < 0:
+            n = _count(pool, n)
+        if self._pending:
+            self._fences.retire()
+        if n <= p.hi - p.lo - p.num_live - p.num_pending:  # the steady state: reuse holes
+            if n <= p.small_batch:
+                return p.alloc_holes(n)
+            return p.bind_array(np.asarray(p.take_holes(n), dtype=np.int64)).tolist()
+        slots = self._grow(p, n)
         if slots is None:
             return None
         return p.bind(slots) if isinstance(slots, list) else p.bind_array(slots).tolist()
@@ -128,17 +139,22 @@ class Arena:
         """Whether allocating all of ``request`` ({pool: n}) would succeed, counting the gap and
         every byte compaction can reclaim in any pool. Changes nothing."""
         pools = self._pools
-        counts: dict[str, int] = {}
+        fenced = bool(self._pending)
+        short = False
         for name, n in request.items():  # one pass, as the store asks twice per request
-            if name not in pools:
-                self._pool(name)  # raises, naming the pools
-            counts[name] = n if type(n) is int and n >= 0 else _count(name, n)
-        if self._fences:
+            p = pools.get(name)
+            if p is None:
+                p = self._pool(name)  # raises, naming the pools
+            if type(n) is not int or n < 0:
+                _count(name, n)  # raises unless an int subclass
+            if not fenced and n > p.hi - p.lo - p.num_live - p.num_pending:
+                short = True
+        if fenced:  # retired only once the request is known good: bad input changes nothing
             self._fences.retire()
-        for name, n in counts.items():
-            if n > pools[name].num_holes:
-                return self._plan(counts) is not None
-        return True  # holes alone hold it: no plan needed (a plan would find the same)
+            short = any(n > pools[name].num_holes for name, n in request.items())
+        # Holes alone hold it: no plan needed (a plan would find the same).
+        return not short or fits(self._low, self._float, self._high, self.capacity_bytes,
+                                 request)
 
     def max_alloc(self, pool: str) -> int:
         """The most blocks of ``pool`` one allocation could get now (after compaction). Changes
@@ -164,9 +180,16 @@ class Arena:
         """:meth:`free` for a caller that tracks its ids itself (the store's ledger does): ids
         it got from :meth:`alloc` / :meth:`alloc_ids` and has not freed, best as a list. Not
         re-validated here (a few µs per call on the store's hot path); a foreign or repeated
-        id corrupts the tables, which :meth:`check_integrity` reports."""
-        p = self._pool(pool)
-        if isinstance(ids, list | np.ndarray):
+        id corrupts the tables, which :meth:`check_integrity` reports (the compiled loops
+        refuse an id that is not live with ValueError before changing anything)."""
+        p = self._pools.get(pool)
+        if p is None:
+            p = self._pool(pool)  # raises, naming the pools
+        if type(ids) is list and 0 < len(ids) <= p.small_batch:  # the store's eviction
+            _, low, high = p.unbind(ids)
+            if high == p.hi - 1 or low == p.lo:  # an end of the band freed: it may shrink
+                p.trim()
+        elif isinstance(ids, list | np.ndarray):
             self._release(p, ids)
         elif isinstance(ids, torch.Tensor):
             self._release(p, ids.to("cpu", torch.long).numpy())
@@ -178,8 +201,8 @@ class Arena:
         if n == 0:
             return
         if n <= p.small_batch:
-            slots = p.release(ids if isinstance(ids, list) else ids.tolist())
-            edge = max(slots) == p.hi - 1 or min(slots) == p.lo
+            _, low, high = p.unbind(ids.tolist() if isinstance(ids, np.ndarray) else list(ids))
+            edge = high == p.hi - 1 or low == p.lo
         else:
             array = p.release_array(np.asarray(ids, dtype=np.int64))
             edge = int(array.max()) == p.hi - 1 or int(array.min()) == p.lo
@@ -380,11 +403,15 @@ class Arena:
         """Free slots for ``n`` new blocks (a list for a few, an array past the pool's
         ``small_batch``), compacting when holes and the gap are not enough; ``None`` (nothing
         changed) when even that cannot make room."""
-        if self._fences:
+        if self._pending:
             self._fences.retire()
         if n <= p.num_holes:  # the steady state: reuse what eviction freed, nothing moves
             holes = p.take_holes(n)
             return holes if n <= p.small_batch else np.asarray(holes, dtype=np.int64)
+        return self._grow(p, n)
+
+    def _grow(self, p: Pool, n: int) -> list[int] | np.ndarray | None:
+        """:meth:`_free_slots` past the holes: the gap, else a compaction."""
         slots = self._direct(p, n)
         if slots is None:
             plan = self._plan({p.name: n})

@@ -70,10 +70,11 @@ class Fences:
 
     def __init__(self, pools: Mapping[str, Pool]) -> None:
         self._pools = pools
-        self._pending: list[Fence] = []
+        # Changed in place only: the arena's hot paths test this very list for emptiness.
+        self.pending: list[Fence] = []
 
     def __len__(self) -> int:
-        return len(self._pending)
+        return len(self.pending)
 
     def add(self, p: Pool, slots: torch.Tensor, mode: FenceMode,
             event: torch.cuda.Event | None) -> Fence:
@@ -81,22 +82,22 @@ class Fences:
         retires."""
         p.add_fence(slots, mode == "write", +1)
         fence = Fence(p.name, slots, mode, event)
-        self._pending.append(fence)
+        self.pending.append(fence)
         return fence
 
     def retire(self) -> None:
         """Drop fences whose work has finished; their slots become movable / reusable."""
-        if not self._pending:
+        if not self.pending:
             return
         still: list[Fence] = []
         touched: set[str] = set()
-        for f in self._pending:
+        for f in self.pending:
             if f.done():
                 self._pools[f.pool].add_fence(f.slots, f.mode == "write", -1)
                 touched.add(f.pool)
             else:
                 still.append(f)
-        self._pending = still
+        self.pending[:] = still
         for name in touched:
             self._pools[name].trim()
 
@@ -105,7 +106,7 @@ class Fences:
         for p in self._pools.values():
             want_r = torch.zeros(p.max_slots, dtype=torch.int32)
             want_w = torch.zeros(p.max_slots, dtype=torch.int32)
-            for f in self._pending:
+            for f in self.pending:
                 if f.pool == p.name:
                     counts = want_w if f.mode == "write" else want_r
                     counts.index_add_(0, f.slots, torch.ones_like(f.slots, dtype=torch.int32))

@@ -8,9 +8,11 @@ repeated) are dropped when they surface or swept in bulk, so finding ``n`` holes
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
+
+from gpu_arena.slots import SlotLoops
 
 # Up to this many entries the heap is kept as a list that is sorted before each take: new
 # entries are appended unordered (no per-entry push), and the sort merges them into the sorted
@@ -24,29 +26,34 @@ class HoleHeap:
     tables (``owner`` < 0 and no fence) when an entry surfaces."""
 
     def __init__(self, high: bool, owner: np.ndarray, readers: np.ndarray,
-                 writers: np.ndarray) -> None:
+                 writers: np.ndarray, loops: SlotLoops) -> None:
         self.entries: list[int] = []
-        self._sign = -1 if high else 1
+        self.sign = -1 if high else 1  # key = sign * slot
         self._owner, self._readers, self._writers = owner, readers, writers
         # Item access as plain ints (~50 ns against ~100 ns through numpy).
         self._owner_mv, self._readers_mv, self._writers_mv = owner.data, readers.data, writers.data
         self._ordered = True  # `entries` is a heap (appends below SORTED_UP_TO may break it)
+        self._loops = loops  # the sorted-list take's loop (compiled where built)
 
     def __len__(self) -> int:
         return len(self.entries)
 
     def slots(self) -> set[int]:
         """Every slot with an entry (stale ones too)."""
-        return {self._sign * e for e in self.entries}
+        return {self.sign * e for e in self.entries}
 
     def add(self, slots: Sequence[int] | np.ndarray) -> None:
         """Remember ``slots`` as possible holes (validated when they surface)."""
-        entries = self.entries
         keys: Sequence[int]
         if isinstance(slots, np.ndarray):
-            keys = (slots * self._sign).tolist()
+            keys = (slots * self.sign).tolist()
         else:
-            keys = [-s for s in slots] if self._sign < 0 else slots
+            keys = [-s for s in slots] if self.sign < 0 else slots
+        self.add_keys(keys)
+
+    def add_keys(self, keys: Sequence[int]) -> None:
+        """:meth:`add` for slots already given as keys (``sign * slot``)."""
+        entries = self.entries
         if len(entries) + len(keys) <= SORTED_UP_TO:
             entries.extend(keys)  # ordered by the next take's sort
             self._ordered = False
@@ -64,24 +71,20 @@ class HoleHeap:
         entries were read to find them. Stale entries read on the way are dropped (and entries
         outside ``[lo, hi)``: the caller re-cuts the band to it or it already is that)."""
         entries = self.entries
-        found: list[int] = []
         if n <= 0 or not entries:
-            return found, 0
-        source: Iterable[int]
+            return [], 0
         if len(entries) <= SORTED_UP_TO:
             # A sorted list is a heap, and so is what follows a prefix of it.
-            entries.sort()
             self._ordered = True
-            source = entries
-        else:
-            if not self._ordered:
-                heapq.heapify(entries)
-                self._ordered = True
-            source = _popping(entries)
-        sign = self._sign
+            return self._loops.take(entries, self.sign, lo, hi, n, fenced)
+        if not self._ordered:
+            heapq.heapify(entries)
+            self._ordered = True
+        sign = self.sign
         owner, readers, writers = self._owner_mv, self._readers_mv, self._writers_mv
+        found: list[int] = []
         last, used, left = None, 0, n
-        for key in source:
+        for key in _popping(entries):
             used += 1
             slot = sign * key
             if slot == last:  # a repeated entry: equal entries come one after another
@@ -93,24 +96,34 @@ class HoleHeap:
                 left -= 1
                 if not left:
                     break
-        if source is entries:
-            del entries[:used]
         return found, used
+
+    def take_bind(self, lo: int, hi: int, n: int, fenced: bool,
+                  top: int) -> tuple[list[int] | None, int]:
+        """:meth:`take` ``n`` holes and bind ids to them, popped off the free-id stack at
+        ``top`` (:meth:`SlotLoops.bind`); the ids (None, nothing bound, when fewer than ``n``
+        were found) and the entries read."""
+        entries = self.entries
+        if n > 0 and entries and len(entries) <= SORTED_UP_TO:
+            self._ordered = True  # sorted by the take: a heap
+            return self._loops.take_bind(entries, self.sign, lo, hi, n, fenced, top)
+        slots, used = self.take(lo, hi, n, fenced)
+        return (self._loops.bind(slots, top) if len(slots) == n else None), used
 
     def sweep(self, lo: int, hi: int, fenced: bool) -> int:
         """Keep only the entries that are holes of ``[lo, hi)`` now; returns the entries read
         (a pass over the heap, which holds every hole: not a scan of the band)."""
         entries = self.entries
         read = len(entries)
-        slots = _distinct(np.asarray(entries, dtype=np.int64) * self._sign)
+        slots = _distinct(np.asarray(entries, dtype=np.int64) * self.sign)
         slots = slots[(slots >= lo) & (slots < hi)]
         busy = self._owner[slots] >= 0
         if fenced:
             busy |= (self._readers[slots] > 0) | (self._writers[slots] > 0)
         slots = slots[~busy]
         # In place: a caller holding the list must not add to one the heap no longer reads.
-        entries[:] = (slots * self._sign).tolist()
-        if self._sign < 0:
+        entries[:] = (slots * self.sign).tolist()
+        if self.sign < 0:
             entries.reverse()  # ascending keys: sorted, so a heap
         self._ordered = True
         return read

@@ -27,16 +27,31 @@ def plan(low: Pool | None, floating: Pool | None, high: Pool | None, capacity: i
     """Band targets that fit ``request`` ({pool: blocks}) after compacting every pool, or
     ``None``. Fenced slots stay where they are; the floating band starts as near its current
     place as it can (fewest moves)."""
-    grown: dict[str, int] = {}  # band slots per pool after compaction, with the request
-    for p in (low, floating, high):
-        if p is not None:
-            extent = p.min_extent()
-            holes = extent - p.num_live - p.num_pending
-            grown[p.name] = size = extent + max(0, request.get(p.name, 0) - holes)
-            if size > p.cap:
-                return None
-    low_slots = grown[low.name] if low else 0
-    high_slots = grown[high.name] if high else 0
+    targets = _targets(low, floating, high, capacity, request)
+    return None if targets is None else Plan(*targets)
+
+
+def fits(low: Pool | None, floating: Pool | None, high: Pool | None, capacity: int,
+         request: Mapping[str, int]) -> bool:
+    """Whether :func:`plan` finds a plan (without building it)."""
+    return _targets(low, floating, high, capacity, request) is not None
+
+
+def _targets(low: Pool | None, floating: Pool | None, high: Pool | None, capacity: int,
+             request: Mapping[str, int]) -> tuple[int, int, tuple[int, int] | None] | None:
+    low_slots = high_slots = size = 0  # band slots per pool after compaction, with the request
+    if low is not None:
+        low_slots = _grown(low, request)
+        if low_slots > low.cap:
+            return None
+    if floating is not None:
+        size = _grown(floating, request)
+        if size > floating.cap:
+            return None
+    if high is not None:
+        high_slots = _grown(high, request)
+        if high_slots > high.cap:
+            return None
     low_end = low_slots * low.unit if low else 0
     high_start = capacity
     if high:
@@ -45,8 +60,7 @@ def plan(low: Pool | None, floating: Pool | None, high: Pool | None, capacity: i
         return None
     f = floating
     if f is None or (f.num_live + f.num_pending + request.get(f.name, 0)) == 0:
-        return Plan(low_slots, high_slots, None)
-    size = grown[f.name]
+        return low_slots, high_slots, None
     s_min = ceil_div(low_end - f.origin, f.unit)
     s_max = (high_start - f.origin) // f.unit - size
     pins = f.pins()
@@ -55,7 +69,16 @@ def plan(low: Pool | None, floating: Pool | None, high: Pool | None, capacity: i
     if s_min > s_max:
         return None
     start = min(max(f.lo, s_min), s_max)
-    return Plan(low_slots, high_slots, (start, start + size))
+    return low_slots, high_slots, (start, start + size)
+
+
+def _grown(p: Pool, request: Mapping[str, int]) -> int:
+    """Slots ``p``'s band needs after full compaction with its part of ``request`` added."""
+    occupied = p.num_live + p.num_pending
+    if not p.fenced_refs:  # compacts to its occupied slots: no holes left to absorb the request
+        return occupied + request.get(p.name, 0)
+    extent = p.min_extent()  # fenced slots stay where they are
+    return extent + max(0, request.get(p.name, 0) - (extent - occupied))
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from gpu_arena.holes import HoleHeap
+from gpu_arena.slots import SlotLoops, slot_loops
 from gpu_arena.spec import IntegrityError, PoolSpec
 
 _LONG = torch.long
@@ -33,6 +33,8 @@ class Pool:
     # past which they use numpy: a numpy call costs ~1 µs before it does anything, a memoryview
     # item ~50 ns. A request's 24 blocks are below it, a bulk fill of thousands far above.
     small_batch = 64
+    # The per-id loops: compiled where built (None), or as set (a test builds pools of both).
+    compiled: bool | None = None
 
     def __init__(self, spec: PoolSpec, origin: int, max_slots: int, lo: int) -> None:
         self.spec = spec
@@ -59,13 +61,10 @@ class Pool:
         self._readers_np = self.readers.numpy()
         self._writers_np = self.writers.numpy()
         self._free_np = self.free_ids.numpy()
-        # The same tables as memoryviews: item reads and writes as plain Python ints, for the
-        # few-id hot paths (alloc and free of one request's blocks).
-        self._loc_mv = self.loc_np.data
-        self._owner_mv = self.owner_np.data
-        self._readers_mv = self._readers_np.data
-        self._writers_mv = self._writers_np.data
-        self._free_mv = self._free_np.data
+        # The few-id hot paths (a request's alloc and free) run their per-id loops here.
+        self._loops: SlotLoops = slot_loops(self.loc_np, self.owner_np, self._readers_np,
+                                            self._writers_np, self._free_np,
+                                            compiled=self.compiled)
         self.num_free_ids = max_slots
         self.num_live = 0
         self.num_pending = 0
@@ -81,7 +80,7 @@ class Pool:
         # Slots that may be holes, nearest the anchor first: finding n holes costs about n
         # entries, not a scan of the band.
         self._holes = HoleHeap(self.anchor == "high", self.owner_np, self._readers_np,
-                               self._writers_np)
+                               self._writers_np, self._loops)
 
     # ----------------------------------------------------------------- queries
     @property
@@ -125,6 +124,18 @@ class Pool:
         assert len(found) == n, f"pool {self.name}: hole heap found {len(found)} of {n} holes"
         return found
 
+    def alloc_holes(self, n: int) -> list[int]:
+        """:meth:`bind` fresh ids to :meth:`take_holes` ``(n)`` in one pass (the steady-state
+        alloc: reuse what eviction freed); returns the ids."""
+        assert n <= self.hi - self.lo - self.num_live - self.num_pending, \
+            f"pool {self.name}: {n} holes wanted, {self.num_holes} exist"
+        ids, used = self._holes.take_bind(self.lo, self.hi, n, self.fenced_refs != 0,
+                                          self.num_free_ids)
+        self.visited += used
+        assert ids is not None, f"pool {self.name}: hole heap found fewer than {n} holes"
+        self._bound(ids)
+        return ids
+
     def holes_within(self, lo: int, hi: int, n: int) -> list[int]:
         """Up to ``n`` reusable slots of ``[lo, hi)`` (inside the band) nearest the anchor,
         taken off the hole heap. Entries met on the way that are stale or outside ``[lo, hi)``
@@ -135,10 +146,14 @@ class Pool:
 
     def _add_holes(self, slots: Sequence[int] | np.ndarray) -> None:
         """Remember ``slots`` as possible holes (validated when they surface)."""
-        if len(self._holes) > 2 * (self.num_holes + len(slots)) + self.sweep_slack:
-            # Mostly stale: drop the stale entries (amortised O(1) per stale entry).
-            self.visited += self._holes.sweep(self.lo, self.hi, bool(self.fenced_refs))
+        self._sweep_before(len(slots))
         self._holes.add(slots)
+
+    def _sweep_before(self, adding: int) -> None:
+        """Sweep the hole heap when stale entries outnumber the holes (``adding`` about to
+        join them): amortised O(1) per stale entry."""
+        if len(self._holes.entries) > 2 * (self.num_holes + adding) + self.sweep_slack:
+            self.visited += self._holes.sweep(self.lo, self.hi, bool(self.fenced_refs))
 
     def live_in(self, lo: int, hi: int) -> np.ndarray:
         """Slots of ``[lo, hi)`` holding a live block, in slot order (visits those slots)."""
@@ -177,17 +192,11 @@ class Pool:
 
     # --------------------------------------------------------------- updates
     def bind(self, slots: list[int]) -> list[int]:
-        """Bind fresh virtual ids to ``slots`` (free, reusable) and return the ids. Loops over
-        memoryviews: for a few ids (:attr:`small_batch`); :meth:`bind_array` for many."""
+        """Bind fresh virtual ids to ``slots`` (free, reusable) and return the ids. Per-id loops
+        (:class:`SlotLoops`): for a few ids (:attr:`small_batch`); :meth:`bind_array` for many."""
         n = len(slots)
         assert n <= self.num_free_ids, f"pool {self.name}: {n} ids wanted, {self.num_free_ids} free"
-        top = self.num_free_ids
-        ids = self._free_mv[top - n : top].tolist()
-        ids.reverse()  # the stack's top first: 0, 1, 2, ... from a fresh pool
-        loc, owner = self._loc_mv, self._owner_mv
-        for i, slot in zip(ids, slots, strict=True):
-            loc[i] = slot
-            owner[slot] = i
+        ids = self._loops.bind(slots, self.num_free_ids)
         self._bound(ids)
         return ids
 
@@ -211,19 +220,27 @@ class Pool:
             self._log(ids)
 
     def release(self, ids: list[int]) -> list[int]:
-        """Unbind live ``ids``; return their slots (now free, pending where fenced). Loops over
-        memoryviews: for a few ids (:attr:`small_batch`); :meth:`release_array` for many."""
+        """Unbind live ``ids``; return their slots (now free, pending where fenced). Per-id
+        loops (:class:`SlotLoops`): for a few ids (:attr:`small_batch`); :meth:`release_array`
+        for many."""
+        keys = self.unbind(ids)[0]
+        return keys if self._holes.sign > 0 else [-k for k in keys]
+
+    def unbind(self, ids: list[int]) -> tuple[list[int], int, int]:
+        """:meth:`release`; returns the freed slots as hole-heap keys (``sign * slot``) and the
+        lowest and highest of them (whether the band's ends were freed, so :meth:`trim` may
+        shrink it)."""
         n = len(ids)
-        loc, owner = self._loc_mv, self._owner_mv
-        slots = [loc[i] for i in ids]
-        for i, slot in zip(ids, slots, strict=True):
-            loc[i] = -1
-            owner[slot] = -1
-        # Pushed in reverse: the next pop hands them out in this order.
-        top = self.num_free_ids
-        self._free_mv[top : top + n] = array(self._free_mv.format, reversed(ids))
-        self._released(ids, slots)
-        return slots
+        keys, pending, low, high = self._loops.release(ids, self.num_free_ids,
+                                                       self.fenced_refs != 0, self._holes.sign)
+        self.num_free_ids += n
+        self.num_live -= n
+        self.num_pending += pending
+        if self.changed is not None:
+            self._log(ids)
+        self._sweep_before(n)
+        self._holes.add_keys(keys)
+        return keys, low, high
 
     def release_array(self, ids: np.ndarray) -> np.ndarray:
         """:meth:`release` through numpy, for many ids."""
@@ -232,22 +249,14 @@ class Pool:
         self.owner_np[slots] = -1
         self.loc_np[ids] = -1
         self._free_np[self.num_free_ids : self.num_free_ids + n] = ids[::-1]
-        self._released(ids, slots)
-        return slots
-
-    def _released(self, ids: list[int] | np.ndarray, slots: list[int] | np.ndarray) -> None:
-        n = len(ids)
         self.num_free_ids += n
         self.num_live -= n
         if self.changed is not None:
             self._log(ids)
         if self.fenced_refs:
-            if isinstance(slots, np.ndarray):
-                self.num_pending += int(self._fenced_at(torch.from_numpy(slots)).sum())
-            else:
-                readers, writers = self._readers_mv, self._writers_mv
-                self.num_pending += sum(1 for s in slots if readers[s] > 0 or writers[s] > 0)
+            self.num_pending += int(self._fenced_at(torch.from_numpy(slots)).sum())
         self._add_holes(slots)
+        return slots
 
     def take_ids(self, slots: torch.Tensor | np.ndarray) -> torch.Tensor:
         """:meth:`bind_array` for a tensor or array of slots; the ids as a tensor."""
