@@ -18,7 +18,7 @@ from host_tier import shm
 from remote_tier import RedisTier, RemoteTierConfig
 from tierstore.client import Client, ServiceError
 from tierstore.config import StoreConfig
-from tierstore.service import kv as kv_module
+from tierstore.service import kv_remote
 from tierstore.service.config import ServiceConfig
 from tierstore.service.kv import KeyValueStore
 from tierstore.service.kv_commits import CommitSuperseded
@@ -97,7 +97,7 @@ def test_a_retry_while_the_first_commit_still_writes_waits_for_its_answer(
         redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
     """Past the write-behind limit a commit waits for Redis before it answers; a retry sent
     meanwhile (the client gave up on the first) gets the same answer once it is known."""
-    monkeypatch.setattr(kv_module, "WRITE_BEHIND_BYTES", 0)
+    monkeypatch.setattr(kv_remote, "WRITE_BEHIND_BYTES", 0)
     values = data(2, 500, seed=3)
 
     async def scenario() -> None:

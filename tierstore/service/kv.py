@@ -5,12 +5,12 @@ shared segment that same-host clients read and fill themselves (:mod:`.kv_host`)
 tier (``serve --disk``) every value is also written to its slots (:mod:`.kv_disk`: a larger LRU
 that survives restarts, MAC-verified when read), and when Redis is configured to Redis too
 (shared across instances and restarts). A read looks in host memory, then on disk (a hit is
-copied back into host memory), then in Redis; a disk or Redis read that may have raced a
-put or delete of its key is a miss, never older bytes published (:mod:`.kv_changes`). Runs
-on the service's event loop: host
-bookkeeping is dict work, Redis I/O is awaited, disk calls run on one thread of their own
-(their I/O on the disk tier's workers), and bulk copies happen in the client (shared memory) or
-while a range is pinned.
+copied back into host memory), then in Redis (:mod:`.kv_remote`); a disk or Redis read that
+may have raced a put or delete of its key is a miss, never older bytes published
+(:mod:`.kv_changes`). Runs on the service's event loop: host bookkeeping is dict work, Redis
+I/O is awaited, disk calls run on one thread of their own (their I/O on the disk tier's
+workers), and bulk copies happen in the client (shared memory), in worker threads, or while a
+range is pinned.
 
 Keys carry their tenant (:meth:`KeyValueStore.key`), so two tenants never share a value; a
 tenant with a byte quota loses its own oldest values first (:mod:`.quotas`). A write answers
@@ -24,30 +24,25 @@ import logging
 import re
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
-from remote_tier import RedisTier, RemoteTierError
+from remote_tier import RedisTier
 from tierstore.errors import UsageError
 from tierstore.service.kv_changes import Changes
 from tierstore.service.kv_commits import CommitLog
 from tierstore.service.kv_disk import DiskValues, digest
 from tierstore.service.kv_host import HostValues, Value, tenant_of
+from tierstore.service.kv_remote import WRITE_BEHIND_BYTES, Reason, RemoteCopy
 from tierstore.service.quotas import ValueQuota
 
 log = logging.getLogger(__name__)
 _KEY = re.compile(r"^[\x21-\x7e]{1,400}$")
 # Batches of more bytes than this are copied into host memory off the loop.
 COPY_ON_LOOP_BYTES = 4 << 20
-# Committed shared-memory writes reach Redis in the background; beyond this many bytes in
-# flight a commit waits for its own write (back-pressure).
-WRITE_BEHIND_BYTES = 256 << 20
 T = TypeVar("T")
-# Why a value was not stored: over the tenant's quota, Redis answered the write with an error
-# (e.g. OOM at maxmemory), Redis could not be reached and host memory had no room, or (no
-# Redis) host memory had no room.
-Reason = Literal["quota", "l3_refused", "l3_unavailable", "no_room"]
+__all__ = ["WRITE_BEHIND_BYTES", "BadKeyError", "KeyValueStore", "Reason"]
 
 
 class BadKeyError(UsageError):
@@ -62,7 +57,6 @@ class KeyValueStore:
                  shared: bool = True, reservation_ttl_s: float | None = None,
                  disk: DiskValues | None = None) -> None:
         self.capacity_bytes = capacity_bytes
-        self.remote = remote
         self.disk = disk
         # One thread owns the disk copy's bookkeeping; its I/O fans out on the tier's workers.
         self._disk_thread = ThreadPoolExecutor(1, thread_name_prefix="tierstore-kv-disk") \
@@ -79,8 +73,16 @@ class KeyValueStore:
         self.refused: dict[str, int] = {}  # values not stored, by reason
         self.hits = {"host": 0, "disk": 0, "redis": 0, "miss": 0}
         self.sets = 0
-        self._behind: set[asyncio.Task[None]] = set()
-        self._behind_bytes = 0
+        self.l3 = RemoteCopy(self.host, self._changes, remote)
+
+    @property
+    def remote(self) -> RedisTier | None:
+        """Redis (None without it; the service connects it at start)."""
+        return self.l3.tier
+
+    @remote.setter
+    def remote(self, tier: RedisTier | None) -> None:
+        self.l3.tier = tier
 
     @staticmethod
     def key(namespace: str, key: object, tenant: str = "") -> str:
@@ -137,7 +139,7 @@ class KeyValueStore:
             stored[:] = [a or b for a, b in zip(stored, on_disk, strict=True)]
         reasons: list[Reason | None] = [None if ok else "no_room" for ok in stored]
         if self.remote is not None and keys:
-            acked, why = await self._remote_put(keys, values)
+            acked, why = await self.l3.put(keys, values)
             for i, ok in enumerate(acked):
                 if ok:
                     stored[i], reasons[i] = True, None
@@ -211,7 +213,7 @@ class KeyValueStore:
         flight (its Redis write not landed), is a miss: the bytes may be older than it."""
         mark = self._changes.begin_read([keys[i] for i in missing])
         try:
-            fetched = await self._remote_get(mark.keys)
+            fetched = await self.l3.get(mark.keys)
         finally:
             stale = self._changes.end_read(mark)
         for i, view in zip(missing, fetched, strict=True):
@@ -301,11 +303,7 @@ class KeyValueStore:
         while count < len(keys) and (keys[count] in self.host or self._disk_has(keys[count])):
             count += 1
         if count < len(keys) and self.remote is not None:
-            raw = [self.remote.raw_key(k) for k in keys[count:]]
-            try:
-                count += await self.remote.exists_prefix(raw)
-            except RemoteTierError as exc:
-                log.warning("redis exists failed: %s", exc)
+            count += await self.l3.count(keys[count:])
         return count
 
     async def exists_each(self, keys: Sequence[str]) -> list[bool]:
@@ -314,12 +312,7 @@ class KeyValueStore:
         present = [k in self.host or self._disk_has(k) for k in keys]
         rest = [i for i, here in enumerate(present) if not here]
         if rest and self.remote is not None:
-            try:
-                found = await self.remote.exists_many([self.remote.raw_key(keys[i])
-                                                       for i in rest])
-            except RemoteTierError as exc:
-                log.warning("redis exists failed: %s", exc)
-                found = [False] * len(rest)
+            found = await self.l3.present([keys[i] for i in rest])
             for i, here in zip(rest, found, strict=True):
                 present[i] = here
         return present
@@ -334,13 +327,7 @@ class KeyValueStore:
             if self.disk is not None:
                 deleted = max(deleted, await self._on_disk(self.disk.delete,
                                                            [digest(k) for k in set(keys)]))
-            in_redis = 0
-            if self.remote is not None:
-                try:
-                    in_redis = await self.remote.delete_many([self.remote.raw_key(k)
-                                                              for k in keys])
-                except RemoteTierError as exc:
-                    log.warning("redis delete failed: %s", exc)
+            in_redis = await self.l3.delete(keys) if self.remote is not None else 0
         finally:
             self._changes.settled(keys)
         return max(deleted, in_redis)  # Redis holds every value that host memory holds
@@ -408,17 +395,7 @@ class KeyValueStore:
             if done and self.disk is not None:
                 await self._to_disk_behind(done)
             if done and self.remote is not None:
-                for _, value in done:  # pinned now: nothing may reuse them before the write
-                    self.host.pin(value)
-                self._changes.opened(keys)
-                self._behind_bytes += sum(v.length for _, v in done)
-                write = self._write_behind(done)
-                if self._behind_bytes > WRITE_BEHIND_BYTES:
-                    await write
-                else:
-                    task = asyncio.ensure_future(write)
-                    self._behind.add(task)
-                    task.add_done_callback(self._behind.discard)
+                await self.l3.write_behind(done)
         finally:
             self._changes.settled(keys)
         return [v is not None for _, v in items]
@@ -432,27 +409,17 @@ class KeyValueStore:
                 self.host.abandon(value)
         return items is not None
 
-    async def _write_behind(self, items: list[tuple[str, Value]]) -> None:
-        """Write pinned values to Redis, then unpin them."""
-        try:
-            await self._remote_put([k for k, _ in items], [self.host.view(v) for _, v in items])
-        finally:
-            self._behind_bytes -= sum(v.length for _, v in items)
-            self._changes.settled([k for k, _ in items])
-            for _, value in items:
-                self.host.unpin(value)
-
     async def flush(self) -> None:
         """Wait for every background Redis and disk write."""
-        while self._behind or self._disk_behind:
-            await asyncio.gather(*self._behind, *self._disk_behind, return_exceptions=True)
+        while self._disk_behind:
+            await asyncio.gather(*self._disk_behind, return_exceptions=True)
+        await self.l3.flush()
 
     async def aclose(self) -> None:
         """Finish background writes, close Redis and the disk copy (its index checkpointed)
         and unlink the shared segment."""
         await self.flush()
-        if self.remote is not None:
-            await self.remote.aclose()
+        await self.l3.aclose()
         self.close()
 
     def close(self) -> None:
@@ -467,7 +434,7 @@ class KeyValueStore:
     def stats(self) -> dict[str, int]:
         disk = {} if self.disk is None else {**self.disk.stats(),
                                              "disk_behind_bytes": self._disk_behind_bytes}
-        return {**self.host.stats(), "sets": self.sets, "redis_behind_bytes": self._behind_bytes,
+        return {**self.host.stats(), "sets": self.sets, "redis_behind_bytes": self.l3.behind_bytes,
                 **disk, **{f"hits_{k}": v for k, v in self.hits.items()},
                 **{f"refused_{k}": v for k, v in self.refused.items()}}
 
@@ -527,30 +494,6 @@ class KeyValueStore:
             task = asyncio.ensure_future(write())
             self._disk_behind.add(task)
             task.add_done_callback(self._disk_behind.discard)
-
-    async def _remote_put(self, keys: Sequence[str], values: Sequence[bytes | memoryview]
-                          ) -> tuple[list[bool], Reason]:
-        """Per key whether Redis acknowledged the write, and why the others failed: an error
-        reply seen during the call (``l3_refused``, e.g. OOM at maxmemory) or not
-        (``l3_unavailable``). Attribution is per call: concurrent calls share the counter."""
-        assert self.remote is not None
-        refusals = self.remote.stats().errors.get("server", 0)
-        try:
-            acked = await self.remote.put_many(
-                [(self.remote.raw_key(k), v) for k, v in zip(keys, values, strict=True)])
-        except RemoteTierError as exc:
-            log.warning("redis put failed: %s", exc)
-            acked = [False] * len(keys)
-        refused = self.remote.stats().errors.get("server", 0) > refusals
-        return acked, "l3_refused" if refused else "l3_unavailable"
-
-    async def _remote_get(self, keys: Sequence[str]) -> list[memoryview | None]:
-        assert self.remote is not None
-        try:
-            return await self.remote.get_many([self.remote.raw_key(k) for k in keys])
-        except RemoteTierError as exc:
-            log.warning("redis get failed: %s", exc)
-            return [None] * len(keys)
 
 
 def _fill(host: HostValues, items: list[tuple[Value, bytes]]) -> None:
