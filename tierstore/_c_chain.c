@@ -297,11 +297,17 @@ pack_ints(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
                      Py_TYPE(seq)->tp_name);
         return NULL;
     }
-    // items are borrowed: nothing below runs Python code, so the list cannot change under us
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
     Py_buffer out;
     if (get_out(args[1], &out, n, "pack_ints") < 0) return NULL;
+    // read the items only now (taking out's buffer might have run code that changed the list):
+    // they are borrowed, and nothing below runs Python code
+    if (PySequence_Fast_GET_SIZE(seq) != n) {
+        PyBuffer_Release(&out);
+        PyErr_SetString(PyExc_ValueError, "pack_ints(): seq changed size");
+        return NULL;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(seq);
     uint32_t *to = out.buf;
     int ok = 1;
     for (Py_ssize_t i = 0; i < n; i++) {
