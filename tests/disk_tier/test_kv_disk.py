@@ -398,10 +398,10 @@ def test_a_commit_cancelled_while_its_disk_write_runs_keeps_the_ranges_pinned(
     import asyncio
     import threading
 
-    from tierstore.service import kv as kv_module
+    from tierstore.service import kv_disk_copy
     from tierstore.service.kv import KeyValueStore
 
-    monkeypatch.setattr(kv_module, "WRITE_BEHIND_BYTES", 0)
+    monkeypatch.setattr(kv_disk_copy, "WRITE_BEHIND_BYTES", 0)
     gate, entered = threading.Event(), threading.Event()
     (value_bytes,) = data(1, 5 * CHUNK, seed=15)  # past half of host memory: not behind
 

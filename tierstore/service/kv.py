@@ -23,7 +23,6 @@ import asyncio
 import logging
 import re
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import numpy as np
@@ -33,6 +32,7 @@ from tierstore.errors import UsageError
 from tierstore.service.kv_changes import Changes
 from tierstore.service.kv_commits import CommitLog
 from tierstore.service.kv_disk import DiskValues, digest
+from tierstore.service.kv_disk_copy import DiskCopy, Found
 from tierstore.service.kv_host import HostValues, Value, tenant_of
 from tierstore.service.kv_remote import WRITE_BEHIND_BYTES, Reason, RemoteCopy
 from tierstore.service.quotas import ValueQuota
@@ -58,17 +58,13 @@ class KeyValueStore:
                  disk: DiskValues | None = None) -> None:
         self.capacity_bytes = capacity_bytes
         self.disk = disk
-        # One thread owns the disk copy's bookkeeping; its I/O fans out on the tier's workers.
-        self._disk_thread = ThreadPoolExecutor(1, thread_name_prefix="tierstore-kv-disk") \
-            if disk is not None else None
-        self._disk_behind: set[asyncio.Task[None]] = set()
-        self._disk_behind_bytes = 0
         # Puts and deletes a disk or Redis read may have raced: it must not publish its
         # older bytes over them.
         self._changes = Changes()
         self._commits = CommitLog(self._changes, ttl_s)  # answers for retried commits
         self.host = HostValues(capacity_bytes, ttl_s, shared=shared,
                                reservation_ttl_s=reservation_ttl_s)
+        self.disk_copy = None if disk is None else DiskCopy(disk, self.host, self._changes)
         self.quota = ValueQuota()
         self.refused: dict[str, int] = {}  # values not stored, by reason
         self.hits = {"host": 0, "disk": 0, "redis": 0, "miss": 0}
@@ -180,11 +176,11 @@ class KeyValueStore:
                 self.host.publish(key, value)
         return [r is not None for r in ranges]
 
-    async def lookup(self, keys: Sequence[str]) -> list[Value | bytes | None]:
+    async def lookup(self, keys: Sequence[str]) -> list[Found]:
         """Per key its host value, else the bytes Redis had (copied into host memory when they
         fit, then given as that value), else None. Every value returned is pinned (the caller
         unpins it: later puts of the same batch must not evict it)."""
-        out: list[Value | bytes | None] = []
+        out: list[Found] = []
         for key in keys:
             value = self.host.get(key)
             if value is not None:
@@ -194,7 +190,8 @@ class KeyValueStore:
         self.hits["host"] += len(keys) - len(missing)
         try:
             if missing and self.disk is not None:
-                await self._from_disk(keys, missing, out)
+                assert self.disk_copy is not None
+                self.hits["disk"] += await self.disk_copy.read(keys, missing, out)
                 missing = [i for i in missing if out[i] is None]
             if missing and self.remote is not None:
                 await self._from_remote(keys, missing, out)
@@ -207,7 +204,7 @@ class KeyValueStore:
         return out
 
     async def _from_remote(self, keys: Sequence[str], missing: Sequence[int],
-                           out: list[Value | bytes | None]) -> None:
+                           out: list[Found]) -> None:
         """Fill ``out[i]`` for the ``missing`` keys Redis holds: a pinned host value where one
         fits, else bytes. A key put or deleted while Redis answered, or whose change was in
         flight (its Redis write not landed), is a miss: the bytes may be older than it."""
@@ -224,57 +221,6 @@ class KeyValueStore:
             if value is not None:
                 self.host.pin(value)
             out[i] = value if value is not None else bytes(view)
-
-    async def _from_disk(self, keys: Sequence[str], missing: Sequence[int],
-                         out: list[Value | bytes | None]) -> None:
-        """Fill ``out[i]`` for the ``missing`` keys the disk holds: a pinned host value
-        (read from disk straight into a host range) where one fits, else bytes."""
-        assert self.disk is not None
-        digests = [digest(keys[i]) for i in missing]
-        # Lengths read from the disk thread's index on the loop: a value replaced meanwhile
-        # no longer matches its target and reads as a miss.
-        lengths = [self.disk.length(d) for d in digests]
-        targets: list[np.ndarray | None] = []
-        ranges: list[Value | None] = []
-        for length in lengths:
-            value = None if length is None else self.host.reserve(length)
-            if value is not None:
-                value.pins = 1  # unpublished: nothing may reuse it while the disk fills it
-                targets.append(self.host.tensor(value).numpy())
-            else:
-                targets.append(None if length is None else np.empty(length, np.uint8))
-            ranges.append(value)
-        assert self._disk_thread is not None
-        fill = asyncio.get_running_loop().run_in_executor(self._disk_thread, self.disk.get_into,
-                                                          digests, targets)
-        mark = self._changes.begin_read([keys[i] for i in missing])
-        try:
-            got = await asyncio.shield(fill)
-        except BaseException:  # cancelled: give the ranges back once the disk is done
-            def give_back(_: object) -> None:
-                for value in ranges:
-                    if value is not None:
-                        value.pins = 0
-                        self.host.abandon(value)
-
-            fill.add_done_callback(give_back)
-            raise
-        finally:
-            changed = self._changes.end_read(mark)
-        for i, ok, value, target in zip(missing, got, ranges, targets, strict=True):
-            if keys[i] in changed:  # put or deleted while read: the disk had older bytes
-                ok = False
-            if value is not None:
-                value.pins = 0
-                if not ok:
-                    self.host.abandon(value)
-                    continue
-                self.host.publish(keys[i], value)
-                self.host.pin(value)
-                out[i] = value
-            elif ok and target is not None:
-                out[i] = target.tobytes()
-            self.hits["disk"] += ok
 
     async def read(self, keys: Sequence[str]
                    ) -> tuple[list[memoryview | bytes | None], Callable[[], None]]:
@@ -393,7 +339,8 @@ class KeyValueStore:
                 self.host.publish(key, value)
             self.sets += len(done)
             if done and self.disk is not None:
-                await self._to_disk_behind(done)
+                assert self.disk_copy is not None
+                await self.disk_copy.write_behind(done, self.capacity_bytes)
             if done and self.remote is not None:
                 await self.l3.write_behind(done)
         finally:
@@ -411,8 +358,8 @@ class KeyValueStore:
 
     async def flush(self) -> None:
         """Wait for every background Redis and disk write."""
-        while self._disk_behind:
-            await asyncio.gather(*self._disk_behind, return_exceptions=True)
+        if self.disk_copy is not None:
+            await self.disk_copy.flush()
         await self.l3.flush()
 
     async def aclose(self) -> None:
@@ -425,20 +372,25 @@ class KeyValueStore:
     def close(self) -> None:
         """Close the disk copy and unlink the shared segment (background writes not yet done
         are lost: :meth:`aclose` waits for them)."""
-        if self._disk_thread is not None:
-            self._disk_thread.shutdown(wait=True)
-        if self.disk is not None:
-            self.disk.close()
+        if self.disk_copy is not None:
+            self.disk_copy.close()
         self.host.close()
 
     def stats(self) -> dict[str, int]:
-        disk = {} if self.disk is None else {**self.disk.stats(),
-                                             "disk_behind_bytes": self._disk_behind_bytes}
+        disk = {} if self.disk_copy is None else self.disk_copy.stats()
         return {**self.host.stats(), "sets": self.sets, "redis_behind_bytes": self.l3.behind_bytes,
                 **disk, **{f"hits_{k}": v for k, v in self.hits.items()},
                 **{f"refused_{k}": v for k, v in self.refused.items()}}
 
     # ------------------------------------------------------------------ disk
+    async def _on_disk(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the disk copy's thread."""
+        assert self.disk_copy is not None
+        return await self.disk_copy.run(fn, *args)
+
+    def _disk_has(self, key: str) -> bool:
+        return self.disk_copy is not None and self.disk_copy.has(key)
+
     async def drop_host_copies(self) -> int:
         """Drop the host copies of values the disk holds (after the background disk writes;
         pinned ones stay), so that the next reads come from disk; how many were dropped."""
@@ -447,53 +399,6 @@ class KeyValueStore:
             return 0
         held = [k for k in list(self.host.keys()) if self._disk_has(k)]
         return sum(self.host.drop_unpinned(k) for k in held)
-
-    async def _on_disk(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` on the disk copy's thread."""
-        assert self._disk_thread is not None
-        return await asyncio.get_running_loop().run_in_executor(self._disk_thread, fn, *args)
-
-    def _disk_has(self, key: str) -> bool:
-        # A read of the disk thread's dict from the loop: a value it evicts meanwhile is
-        # reported present and then misses, as with Redis.
-        return self.disk is not None and digest(key) in self.disk
-
-    async def _to_disk_behind(self, items: list[tuple[str, Value]]) -> None:
-        """Write published host values to disk in the background (pinned until written);
-        past ``WRITE_BEHIND_BYTES`` or half of host memory in flight (as the kernel lets dirty
-        pages take a share of memory before a writer waits), before returning."""
-        for _, value in items:
-            self.host.pin(value)
-        self._changes.opened([k for k, _ in items])
-        nbytes = sum(v.length for _, v in items)
-        self._disk_behind_bytes += nbytes
-
-        def done(_: object = None) -> None:
-            self._disk_behind_bytes -= nbytes
-            self._changes.settled([k for k, _ in items])
-            for _, value in items:
-                self.host.unpin(value)
-
-        async def write() -> None:
-            assert self._disk_thread is not None and self.disk is not None
-            put = asyncio.get_running_loop().run_in_executor(
-                self._disk_thread, self.disk.put, [digest(k) for k, _ in items],
-                [self.host.view(v) for _, v in items])
-            try:
-                await asyncio.shield(put)
-            except asyncio.CancelledError:  # the disk thread reads the ranges until it is done
-                put.add_done_callback(done)
-                raise
-            except Exception:
-                log.exception("disk write of %d storage values failed", len(items))
-            done()
-
-        if self._disk_behind_bytes > max(WRITE_BEHIND_BYTES, self.capacity_bytes // 2):
-            await write()
-        else:
-            task = asyncio.ensure_future(write())
-            self._disk_behind.add(task)
-            task.add_done_callback(self._disk_behind.discard)
 
 
 def _fill(host: HostValues, items: list[tuple[Value, bytes]]) -> None:
