@@ -40,9 +40,15 @@ from collections.abc import Callable, Mapping, Sequence
 from itertools import compress
 from typing import TYPE_CHECKING, Any
 
+from tierstore.native import load
+
 if TYPE_CHECKING:
     from tierstore.config import StoreConfig
     from tierstore.layout import ModelLayout
+
+# The per-event loops compiled (scan, a match's reads, a touch without an L2 overlap); None:
+# the pure-Python loops below, which give the same curves to the bit (tested side by side).
+_C = load("tierstore._c_mrc")
 
 MULTIPLES = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0)
 # Sampling thresholds are on 32 bits of the page key itself (SHA-256 output, uniform): pages
@@ -164,6 +170,7 @@ class Shadow:
         self._end_kinds = [(self._kind_hist[k], k) for k in self.kinds]
         self.tokens = 0  # prompt tokens referenced (exact, not sampled)
         self.requests = 0
+        self._c = _C  # (None in a test: this shadow's pure path beside a compiled one)
         # The L1/L2 overlap (module docstring): slots [_lo, clock) are L1's top C1 bytes
         # (``_win`` of them); ``_fl[slot]`` the multiples whose L2 holds a copy of that slot's
         # page, ``_d[j]`` those bytes per multiple; L2's hits are counted per multiple as they
@@ -261,10 +268,31 @@ class Shadow:
                 code = self._pages.pop(last, None)
                 if code is not None:  # a tracked page becomes an end: tracked anew below
                     self._untrack(code, last)
-        ends, sampled, _ = self._scan(keys, known)
+        c = self._c
+        if c is not None and not self._overlap and type(keys) is list:  # _scan and _touch's
+            limit = self._page_limit  # compiled paths, one frame fewer each
+            if known is not None and known[6] == limit:
+                ends, sampled, _ = c.scan(keys, limit, self._end_set, self.end_threshold,
+                                          _SPACE, known[0], known[3], known[5])
+            else:
+                ends, sampled, _ = c.scan(keys, limit, self._end_set if self.state else None,
+                                          self.end_threshold, _SPACE, -1, None, None)
+            pages = self._pages
+            done = c.touch(pages, self._tree.values, self._tree.sums, self._wb[0], self._wb[1],
+                           keys, sampled, ends, True, self._clock)
+            if done is not None:
+                self._clock, added = done
+                self._num_ends += added
+                if len(pages) - self._num_ends > self.max_tracked \
+                        or self._num_ends > self.max_tracked:
+                    self._lower_rate()
+                return
+        else:
+            ends, sampled, _ = self._scan(keys, known)
         self._touch(keys, ends, sampled, create=True, seen=known[7] if known else None,
                     start=known[0] if known else 0)
-        self._carry.clear()
+        if self._carry:
+            self._carry.clear()
 
     def _scan(self, keys: Sequence[bytes], known: _Pending | None = None
               ) -> tuple[list[int] | None, list[int], list[int]]:
@@ -274,6 +302,13 @@ class Shadow:
         per page. ``known``: the same for the first ``known[0]`` pages."""
         n = len(keys)
         limit = self._page_limit
+        c = self._c
+        if c is not None and type(keys) is list:
+            if known is not None and known[6] == limit:
+                return c.scan(keys, limit, self._end_set, self.end_threshold, _SPACE,
+                              known[0], known[3], known[5])
+            return c.scan(keys, limit, self._end_set if self.state else None,
+                          self.end_threshold, _SPACE, -1, None, None)
         if known is not None and known[6] == limit:
             k, ends, low = known[0], known[3], known[5]
             if n > k:
@@ -326,6 +361,12 @@ class Shadow:
         w_page, w_end = self._w_page, self._w_end
         refs = self._kind_refs
         last = ends[-1] if ends is not None else len(keys) - 1
+        c = self._c
+        if c is not None and not self._overlap and type(keys) is list:
+            c.reference(pages, tree.values, tree.sums, keys, sampled, ends, last, clock, edges,
+                        hist, page, w_page, w_end, self._page_kinds, self._end_kinds, refs,
+                        touched, seen)
+            return
         c1 = self._c1
         if self._overlap:  # an L2 of m*C2 holds what lies within C1 + m*C2 - D_m
             thr = self._thresholds()
@@ -405,6 +446,16 @@ class Shadow:
             self._touch_overlap(keys, ends, sampled, create, seen, start)
             return
         pages = self._pages
+        if self._c is not None and type(keys) is list:
+            done = self._c.touch(pages, self._tree.values, self._tree.sums, self._wb[0],
+                                 self._wb[1], keys, sampled, ends, create, self._clock)
+            if done is not None:  # (None: the slots run out on the way; compacted below)
+                self._clock, added = done
+                self._num_ends += added
+                if len(pages) - self._num_ends > self.max_tracked \
+                        or self._num_ends > self.max_tracked:
+                    self._lower_rate()
+                return
         values, sums = self._tree.values, self._tree.sums
         wb = self._wb
         clock = self._clock

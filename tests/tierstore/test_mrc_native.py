@@ -1,0 +1,84 @@
+"""The shadow's compiled loops (tierstore/_c_mrc.c) beside its pure-Python ones: the same
+curves and the same stack, event by event, over random workloads; bad input refused."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from typing import Any
+
+import pytest
+
+from tests.tierstore.test_mrc import PAGE, UNITS, workload
+from tierstore import mrc
+from tierstore.mrc import Shadow
+
+_c: Any = pytest.importorskip("tierstore._c_mrc")  # built by setup.py; imported even when pure
+
+
+def pair(capacities: dict[str, int], units: dict[str, int], **kw: Any) -> tuple[Shadow, Shadow]:
+    compiled, pure = Shadow(capacities, units, PAGE, **kw), Shadow(capacities, units, PAGE, **kw)
+    compiled._c, pure._c = _c, None
+    return compiled, pure
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize(("capacities", "units", "kw"), [
+    ({"l1": 20_000}, UNITS, {"max_tracked": 16}),  # rates halve, ends rotate, slots compact
+    ({"l1": 20_000}, UNITS, {}),  # the serving default: pages from 1/16
+    ({"l1": 20_000}, {"kv": 100, "swa": 50}, {"max_tracked": 64}),  # no state: every page ends
+    ({"l1": 10_000, "l2": 20_000}, UNITS, {"max_tracked": 64}),  # L2: the overlap's own loops
+    ({"l1": 10_000, "l2": 20_000}, UNITS, {"rate": 1.0}),
+])
+def test_compiled_loops_match_the_pure_ones_event_by_event(
+        seed: int, capacities: dict[str, int], units: dict[str, int], kw: dict[str, Any]) -> None:
+    rng = random.Random(seed)
+    compiled, pure = pair(capacities, units, **kw)
+    for op, keys, n in workload(700, seed=seed):
+        keys = keys if rng.random() < 0.8 else keys[:max(1, len(keys) - rng.randrange(3))]
+        checkpoint = rng.random() < 0.9
+        for s in (compiled, pure):
+            if op == "match":
+                s._reference(list(keys), n)
+            else:
+                s._insert(list(keys), checkpoint)
+        assert compiled._pages == pure._pages and compiled._clock == pure._clock
+        assert compiled._tree.values == pure._tree.values
+        assert compiled._tree.sums == pure._tree.sums
+    assert compiled.curves() == pure.curves()
+    assert compiled._num_ends == pure._num_ends
+
+
+def test_suffix_matches_the_slots() -> None:
+    rng = random.Random(3)
+    slots = mrc._Slots([float(rng.randrange(100)) for _ in range(1000)])
+    for _ in range(500):
+        i = rng.randrange(1000)
+        end = rng.randrange(i, 1001)
+        assert _c.suffix_of(slots.values, slots.sums, i, end) == slots.suffix(i, end)
+
+
+def test_bad_input_is_refused() -> None:
+    key = hashlib.sha256(b"k").digest()
+    with pytest.raises(TypeError):
+        _c.scan([key, "not bytes"], b"\x10", None, 1, 2, -1, None, None)
+    with pytest.raises(TypeError):
+        _c.scan(key, b"\x10", None, 1, 2, -1, None, None)  # not a list of keys
+    with pytest.raises(ValueError):
+        _c.scan([key], b"\x10", {}, 1, 2, 5, [], [])  # known past the keys
+    with pytest.raises(TypeError):
+        _c.scan([key], b"\x10", None, 1)  # too few arguments
+    values, sums = [0.0] * 512, [0.0] * 2
+    with pytest.raises(ValueError):
+        _c.suffix_of(values, sums, 10, 600)
+    with pytest.raises(ValueError):
+        _c.suffix_of(values, [0.0], 0, 10)  # sums per block disagree
+    with pytest.raises(IndexError):
+        _c.touch({}, values, sums, 1.0, 2.0, [key], [3], None, True, 0)
+    with pytest.raises(ValueError):
+        _c.touch({key: 2000 << 1}, values, sums, 1.0, 2.0, [key], [0], None, True, 0)
+    bad = [0.0] * 512
+    bad[0] = 1  # an int among the slots
+    with pytest.raises(TypeError):
+        _c.touch({key: 0}, bad, sums, 1.0, 2.0, [key], [0], None, True, 1)
+    assert values == [0.0] * 512 and sums == [0.0, 0.0]  # refused before any change

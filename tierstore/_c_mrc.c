@@ -1,0 +1,521 @@
+// The miss-ratio shadow's per-event loops, compiled (tierstore/mrc.py keeps the pure-Python
+// path, and calls these on the same objects: its lists of slot bytes, its page dict, its
+// histograms). Each function does exactly what the Python loop it replaces does, in the same
+// order, so the curves are the same to the last bit (tested side by side):
+//   scan:      the positions under the page threshold, the checkpoint ends, the sample;
+//   reference: a match's distances, histogram bins and the positions to touch;
+//   touch:     move (or add) the sampled pages to the top of the stack.
+// The L1/L2 overlap's touch (a shadow with an L2) stays in Python.
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define SHIFT 8  // slots per block: 2**SHIFT (mrc._SHIFT)
+
+// key < limit, as bytes compare (lexicographic, a prefix sorts first)
+static inline int below(PyObject *key, const char *lim, Py_ssize_t nlim) {
+    Py_ssize_t n = PyBytes_GET_SIZE(key);
+    int c = memcmp(PyBytes_AS_STRING(key), lim, (size_t)(n < nlim ? n : nlim));
+    return c < 0 || (c == 0 && n < nlim);
+}
+
+// int.from_bytes(key[4:8], "big") < threshold
+static inline int end_sampled(PyObject *key, unsigned long long threshold) {
+    Py_ssize_t n = PyBytes_GET_SIZE(key);
+    const unsigned char *p = (const unsigned char *)PyBytes_AS_STRING(key);
+    unsigned long long v = 0;
+    for (Py_ssize_t i = 4; i < 8 && i < n; i++) v = (v << 8) | p[i];
+    return v < threshold;
+}
+
+static int check_keys(PyObject *keys) {
+    if (!PyList_Check(keys) && !PyTuple_Check(keys)) {
+        PyErr_SetString(PyExc_TypeError, "keys must be a list or tuple of bytes");
+        return -1;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys);
+    PyObject **items = PySequence_Fast_ITEMS(keys);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!PyBytes_CheckExact(items[i])) {
+            PyErr_Format(PyExc_TypeError, "keys[%zd] is not bytes", i);
+            return -1;
+        }
+    return 0;
+}
+
+// Append positions [start, n) of keys passing a test to list out.
+static int append_positions(PyObject *out, PyObject **items, Py_ssize_t start, Py_ssize_t n,
+                            const char *lim, Py_ssize_t nlim, PyObject *set) {
+    for (Py_ssize_t i = start; i < n; i++) {
+        int hit;
+        if (set != NULL) {
+            hit = PyDict_Contains(set, items[i]);
+            if (hit < 0) return -1;
+        } else {
+            hit = below(items[i], lim, nlim);
+        }
+        if (hit) {
+            PyObject *v = PyLong_FromSsize_t(i);
+            if (v == NULL || PyList_Append(out, v) < 0) {
+                Py_XDECREF(v);
+                return -1;
+            }
+            Py_DECREF(v);
+        }
+    }
+    return 0;
+}
+
+static int is_int_list(PyObject *o, const char *name) {
+    if (!PyList_Check(o)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a list", name);
+        return 0;
+    }
+    return 1;
+}
+
+// scan(keys, limit, end_set, end_threshold, space, known_n, known_ends, known_low)
+// -> (ends, sampled, low), as Shadow._scan. end_set None: no state. known_n < 0: no known.
+static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "scan takes 8 arguments");
+        return NULL;
+    }
+    PyObject *keys = args[0], *limit = args[1], *end_set = args[2];
+    if (check_keys(keys) < 0) return NULL;
+    if (!PyBytes_CheckExact(limit)) {
+        PyErr_SetString(PyExc_TypeError, "limit must be bytes");
+        return NULL;
+    }
+    if (end_set != Py_None && !PyDict_Check(end_set)) {
+        PyErr_SetString(PyExc_TypeError, "end_set must be a dict or None");
+        return NULL;
+    }
+    unsigned long long ethr = PyLong_AsUnsignedLongLong(args[3]);
+    unsigned long long space = PyLong_AsUnsignedLongLong(args[4]);
+    Py_ssize_t k = PyLong_AsSsize_t(args[5]);
+    if (PyErr_Occurred()) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys);
+    PyObject **items = PySequence_Fast_ITEMS(keys);
+    const char *lim = PyBytes_AS_STRING(limit);
+    Py_ssize_t nlim = PyBytes_GET_SIZE(limit);
+    PyObject *ends = NULL, *low = NULL, *sampled = NULL, *picked = NULL, *result = NULL;
+    if (k >= 0) {
+        PyObject *kends = args[6], *klow = args[7];
+        if (!is_int_list(klow, "known_low")) return NULL;
+        if (kends != Py_None && !is_int_list(kends, "known_ends")) return NULL;
+        if (k > n) {
+            PyErr_SetString(PyExc_ValueError, "known_n is past the keys");
+            return NULL;
+        }
+        if (n > k) {  // low + tail, ends + tail: new lists, as the Python concatenations
+            low = PyList_GetSlice(klow, 0, PyList_GET_SIZE(klow));
+            if (low == NULL || append_positions(low, items, k, n, lim, nlim, NULL) < 0)
+                goto fail;
+            if (kends != Py_None) {
+                ends = PyList_GetSlice(kends, 0, PyList_GET_SIZE(kends));
+                if (ends == NULL || end_set == Py_None
+                    || append_positions(ends, items, k, n, NULL, 0, end_set) < 0) {
+                    if (ends != NULL && end_set == Py_None)
+                        PyErr_SetString(PyExc_ValueError, "known ends without an end set");
+                    goto fail;
+                }
+            } else {
+                ends = Py_NewRef(Py_None);
+            }
+        } else {  // the known lists themselves
+            low = Py_NewRef(klow);
+            ends = Py_NewRef(kends);
+        }
+    } else {
+        low = PyList_New(0);
+        if (low == NULL || append_positions(low, items, 0, n, lim, nlim, NULL) < 0) goto fail;
+        if (end_set != Py_None) {
+            ends = PyList_New(0);
+            if (ends == NULL || append_positions(ends, items, 0, n, NULL, 0, end_set) < 0)
+                goto fail;
+        } else {
+            ends = Py_NewRef(Py_None);
+        }
+    }
+    if (ends == Py_None || PyList_GET_SIZE(ends) == 0) {
+        result = PyTuple_Pack(3, ends, low, low);
+        goto done;
+    }
+    Py_ssize_t ne = PyList_GET_SIZE(ends);
+    if (ethr < space) {
+        picked = PyList_New(0);
+        if (picked == NULL) goto fail;
+        for (Py_ssize_t j = 0; j < ne; j++) {
+            PyObject *pos = PyList_GET_ITEM(ends, j);
+            Py_ssize_t i = PyLong_AsSsize_t(pos);
+            if (i < 0 || i >= n) {
+                if (!PyErr_Occurred())
+                    PyErr_SetString(PyExc_IndexError, "an end position is out of the keys");
+                goto fail;
+            }
+            if (end_sampled(items[i], ethr) && PyList_Append(picked, pos) < 0) goto fail;
+        }
+    } else if (PyList_GET_SIZE(low) == 0) {
+        result = PyTuple_Pack(3, ends, ends, low);
+        goto done;
+    } else {
+        picked = Py_NewRef(ends);
+    }
+    if (PyList_GET_SIZE(low) == 0) {
+        sampled = Py_NewRef(picked);
+    } else {
+        sampled = PyList_New(0);
+        if (sampled == NULL) goto fail;
+        Py_ssize_t nl = PyList_GET_SIZE(low);
+        for (Py_ssize_t j = 0; j < nl; j++) {  // [i for i in low if i not in ends]
+            PyObject *pos = PyList_GET_ITEM(low, j);
+            int in = PySequence_Contains(ends, pos);
+            if (in < 0) goto fail;
+            if (!in && PyList_Append(sampled, pos) < 0) goto fail;
+        }
+        Py_ssize_t np = PyList_GET_SIZE(picked);
+        for (Py_ssize_t j = 0; j < np; j++)
+            if (PyList_Append(sampled, PyList_GET_ITEM(picked, j)) < 0) goto fail;
+    }
+    if (PyList_Sort(sampled) < 0) goto fail;
+    result = PyTuple_Pack(3, ends, sampled, low);
+done:
+fail:
+    Py_XDECREF(ends);
+    Py_XDECREF(low);
+    Py_XDECREF(sampled);
+    Py_XDECREF(picked);
+    return result;
+}
+
+// sum(values[i:end]) or sum(values[i:stop]) + sum(sums[b+1:...]), as _Slots.suffix, in the
+// same order of additions. The caller checked the bounds; -1 (an error set) on a non-float.
+static inline int add_items(PyObject **it, Py_ssize_t from, Py_ssize_t to, double *acc) {
+    for (Py_ssize_t j = from; j < to; j++) {
+        if (!PyFloat_CheckExact(it[j])) {
+            PyErr_SetString(PyExc_TypeError, "the slots and their sums must hold floats");
+            return -1;
+        }
+        *acc += PyFloat_AS_DOUBLE(it[j]);
+    }
+    return 0;
+}
+
+static int suffix(PyObject **values, PyObject **sums, Py_ssize_t i, Py_ssize_t end,
+                  double *out) {
+    Py_ssize_t b = i >> SHIFT, stop = (b + 1) << SHIFT;
+    double a = 0.0, s = 0.0;
+    if (end <= stop) {
+        if (add_items(values, i, end, &a) < 0) return -1;
+        *out = a;
+        return 0;
+    }
+    if (add_items(values, i, stop, &a) < 0
+        || add_items(sums, b + 1, ((end - 1) >> SHIFT) + 1, &s) < 0)
+        return -1;
+    *out = a + s;
+    return 0;
+}
+
+static int slot_lists(PyObject *values, PyObject *sums) {
+    if (!PyList_Check(values) || !PyList_Check(sums)) {
+        PyErr_SetString(PyExc_TypeError, "values and sums must be lists of floats");
+        return -1;
+    }
+    return 0;
+}
+
+// The slot of a tracked page code (slot << 1 | is_end), checked against the slots.
+static int code_of(PyObject *v, Py_ssize_t nslots, long long *code) {
+    long long c = PyLong_AsLongLong(v);
+    if (c == -1 && PyErr_Occurred()) return -1;
+    if ((c >> 1) >= nslots) {
+        PyErr_SetString(PyExc_ValueError, "a page's slot is past the slots");
+        return -1;
+    }
+    *code = c;
+    return 0;
+}
+
+static int set_float(PyObject *list, Py_ssize_t i, double v) {
+    PyObject *f = PyFloat_FromDouble(v);
+    if (f == NULL) return -1;
+    PyList_SET_ITEM(list, i, f);  // steals f; drops the old float below
+    return 0;
+}
+
+static int add_float(PyObject *list, Py_ssize_t i, double delta) {
+    PyObject *old = PyList_GET_ITEM(list, i);
+    if (!PyFloat_CheckExact(old)) {
+        PyErr_SetString(PyExc_TypeError, "the slots and their sums must hold floats");
+        return -1;
+    }
+    PyObject *f = PyFloat_FromDouble(PyFloat_AS_DOUBLE(old) + delta);
+    if (f == NULL) return -1;
+    PyList_SET_ITEM(list, i, f);
+    Py_DECREF(old);
+    return 0;
+}
+
+static Py_ssize_t pos_at(PyObject *list, Py_ssize_t j, Py_ssize_t n) {
+    Py_ssize_t i = PyLong_AsSsize_t(PyList_GET_ITEM(list, j));
+    if (i < 0 || i >= n) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_IndexError, "a position is out of the keys");
+        return -1;
+    }
+    return i;
+}
+
+// touch(pages, values, sums, wb_page, wb_end, keys, sampled, ends, create, clock)
+// -> (clock, ends added), or None when the slots would run out on the way (the caller's
+// Python path compacts then). As Shadow._touch without an L2 overlap.
+static PyObject *touch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 10) {
+        PyErr_SetString(PyExc_TypeError, "touch takes 10 arguments");
+        return NULL;
+    }
+    PyObject *pages = args[0], *values = args[1], *sums = args[2], *keys = args[5];
+    PyObject *sampled = args[6], *ends = args[7];
+    if (!PyDict_Check(pages)) {
+        PyErr_SetString(PyExc_TypeError, "pages must be a dict");
+        return NULL;
+    }
+    if (slot_lists(values, sums) < 0 || check_keys(keys) < 0 || !is_int_list(sampled, "sampled")
+        || (ends != Py_None && !is_int_list(ends, "ends")))
+        return NULL;
+    double wb[2] = {PyFloat_AsDouble(args[3]), PyFloat_AsDouble(args[4])};
+    int create = PyObject_IsTrue(args[8]);
+    Py_ssize_t clock = PyLong_AsSsize_t(args[9]);
+    if (PyErr_Occurred() || create < 0) return NULL;
+    Py_ssize_t nslots = PyList_GET_SIZE(values), ns = PyList_GET_SIZE(sampled);
+    if (PyList_GET_SIZE(sums) != ((nslots + (1 << SHIFT) - 1) >> SHIFT) || clock < 0
+        || clock > nslots) {
+        PyErr_SetString(PyExc_ValueError, "the slots, their sums and the clock disagree");
+        return NULL;
+    }
+    if (clock + ns > nslots) Py_RETURN_NONE;  // may compact on the way: Python's path
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys);
+    PyObject **items = PySequence_Fast_ITEMS(keys);
+    Py_ssize_t added = 0;
+    for (Py_ssize_t j = ns - 1; j >= 0; j--) {
+        Py_ssize_t i = pos_at(sampled, j, n);
+        if (i < 0) return NULL;
+        PyObject *key = items[i];
+        PyObject *cv = PyDict_GetItemWithError(pages, key);  // borrowed
+        int is_end;
+        if (cv == NULL) {
+            if (PyErr_Occurred()) return NULL;
+            if (!create) continue;
+            is_end = 0;
+            if (ends != Py_None) {
+                PyObject *pos = PyList_GET_ITEM(sampled, j);
+                is_end = PySequence_Contains(ends, pos);
+                if (is_end < 0) return NULL;
+            }
+            added += is_end;
+        } else {
+            long long code;
+            if (code_of(cv, nslots, &code) < 0) return NULL;
+            is_end = (int)(code & 1);
+            Py_ssize_t slot = (Py_ssize_t)(code >> 1);
+            if (slot >= 0) {
+                if (add_float(values, slot, -wb[is_end]) < 0
+                    || add_float(sums, slot >> SHIFT, -wb[is_end]) < 0)
+                    return NULL;
+            }
+        }
+        PyObject *nc = PyLong_FromSsize_t(clock << 1 | is_end);
+        if (nc == NULL) return NULL;
+        int rc = PyDict_SetItem(pages, key, nc);
+        Py_DECREF(nc);
+        if (rc < 0) return NULL;
+        PyObject *old = PyList_GET_ITEM(values, clock);
+        if (set_float(values, clock, wb[is_end]) < 0) return NULL;
+        Py_DECREF(old);
+        if (add_float(sums, clock >> SHIFT, wb[is_end]) < 0) return NULL;
+        clock++;
+    }
+    return Py_BuildValue("nn", clock, added);
+}
+
+static Py_ssize_t bisect_left(PyObject *list, double x) {
+    Py_ssize_t lo = 0, hi = PyList_GET_SIZE(list);
+    while (lo < hi) {
+        Py_ssize_t mid = (lo + hi) / 2;
+        if (PyFloat_AsDouble(PyList_GET_ITEM(list, mid)) < x) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+static int bump(PyObject *hist, Py_ssize_t b, double v) {
+    if (b >= PyList_GET_SIZE(hist) || !PyFloat_CheckExact(PyList_GET_ITEM(hist, b))) {
+        PyErr_SetString(PyExc_ValueError, "a histogram is shorter than the edges or not floats");
+        return -1;
+    }
+    return add_float(hist, b, v);
+}
+
+// The kinds a sampled page adds to: a list of (histogram, kind) pairs.
+static int count_kinds(PyObject *kinds, PyObject *refs, Py_ssize_t b, double weight) {
+    if (!PyList_Check(kinds)) {
+        PyErr_SetString(PyExc_TypeError, "kinds must be a list of (histogram, kind)");
+        return -1;
+    }
+    for (Py_ssize_t j = 0; j < PyList_GET_SIZE(kinds); j++) {
+        PyObject *pair = PyList_GET_ITEM(kinds, j);
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2
+            || !PyList_Check(PyTuple_GET_ITEM(pair, 0))) {
+            PyErr_SetString(PyExc_TypeError, "kinds must be a list of (histogram, kind)");
+            return -1;
+        }
+        PyObject *kind = PyTuple_GET_ITEM(pair, 1);
+        if (bump(PyTuple_GET_ITEM(pair, 0), b, weight) < 0) return -1;
+        PyObject *r = PyDict_GetItemWithError(refs, kind);
+        if (r == NULL) {
+            if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, kind);
+            return -1;
+        }
+        PyObject *nr = PyFloat_FromDouble(PyFloat_AsDouble(r) + weight);
+        if (nr == NULL) return -1;
+        int rc = PyDict_SetItem(refs, kind, nr);
+        Py_DECREF(nr);
+        if (rc < 0) return -1;
+    }
+    return 0;
+}
+
+// reference(pages, values, sums, keys, sampled, ends, last, clock, edges, hist, page,
+//           w_page, w_end, page_kinds, end_kinds, refs, touched, seen)
+// As the loop of Shadow._reference without an L2 overlap: fills touched, seen, the
+// histograms and the kinds' reference counts.
+static PyObject *reference(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 18) {
+        PyErr_SetString(PyExc_TypeError, "reference takes 18 arguments");
+        return NULL;
+    }
+    PyObject *pages = args[0], *values = args[1], *sums = args[2], *keys = args[3];
+    PyObject *sampled = args[4], *ends = args[5], *edges = args[8], *hist = args[9];
+    PyObject *page_kinds = args[13], *end_kinds = args[14], *refs = args[15];
+    PyObject *touched = args[16], *seen = args[17];
+    if (!PyDict_Check(pages) || !PyDict_Check(refs) || !PyDict_Check(seen)) {
+        PyErr_SetString(PyExc_TypeError, "pages, refs and seen must be dicts");
+        return NULL;
+    }
+    if (slot_lists(values, sums) < 0 || check_keys(keys) < 0 || !is_int_list(sampled, "sampled")
+        || (ends != Py_None && !is_int_list(ends, "ends")) || !is_int_list(edges, "edges")
+        || !is_int_list(hist, "hist") || !is_int_list(touched, "touched"))
+        return NULL;
+    Py_ssize_t last = PyLong_AsSsize_t(args[6]), clock = PyLong_AsSsize_t(args[7]);
+    long long page = PyLong_AsLongLong(args[10]);
+    double w_page = PyFloat_AsDouble(args[11]), w_end = PyFloat_AsDouble(args[12]);
+    if (PyErr_Occurred()) return NULL;
+    Py_ssize_t nslots = PyList_GET_SIZE(values);
+    if (PyList_GET_SIZE(sums) != ((nslots + (1 << SHIFT) - 1) >> SHIFT) || clock < 0
+        || clock > nslots) {
+        PyErr_SetString(PyExc_ValueError, "the slots, their sums and the clock disagree");
+        return NULL;
+    }
+    PyObject **vals = PySequence_Fast_ITEMS(values), **sm = PySequence_Fast_ITEMS(sums);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys), ns = PyList_GET_SIZE(sampled);
+    PyObject **items = PySequence_Fast_ITEMS(keys);
+    Py_ssize_t ne = ends == Py_None ? 0 : PyList_GET_SIZE(ends);
+    for (Py_ssize_t j = 0; j < ns; j++) {
+        Py_ssize_t i = pos_at(sampled, j, n);
+        if (i < 0) return NULL;
+        PyObject *cv = PyDict_GetItemWithError(pages, items[i]);
+        if (cv == NULL) {
+            if (PyErr_Occurred()) return NULL;
+            continue;
+        }
+        long long code;
+        if (code_of(cv, nslots, &code) < 0) return NULL;
+        if (code < 0) {
+            PyErr_SetString(PyExc_ValueError, "a page off the stack");
+            return NULL;
+        }
+        double dist;
+        if (suffix(vals, sm, (Py_ssize_t)(code >> 1), clock, &dist) < 0) return NULL;
+        PyObject *pos = PyList_GET_ITEM(sampled, j);
+        PyObject *d = PyFloat_FromDouble(dist);
+        if (d == NULL) return NULL;
+        int rc = PyDict_SetItem(seen, pos, d);
+        Py_DECREF(d);
+        if (rc < 0) return NULL;
+        if (i <= last && PyList_Append(touched, pos) < 0) return NULL;
+        Py_ssize_t b = bisect_left(edges, dist);
+        if (PyErr_Occurred()) return NULL;
+        double weight, hit;
+        PyObject *kinds;
+        if (ends == Py_None) {
+            weight = w_page;
+            hit = (double)page * weight;
+            kinds = page_kinds;
+        } else {
+            Py_ssize_t lo = 0, hi = ne;  // bisect_left(ends, i)
+            while (lo < hi) {
+                Py_ssize_t mid = (lo + hi) / 2;
+                Py_ssize_t e = PyLong_AsSsize_t(PyList_GET_ITEM(ends, mid));
+                if (e == -1 && PyErr_Occurred()) return NULL;
+                if (e < i) lo = mid + 1;
+                else hi = mid;
+            }
+            Py_ssize_t at = lo < ne ? PyLong_AsSsize_t(PyList_GET_ITEM(ends, lo)) : -1;
+            if (lo < ne && at == i) {
+                Py_ssize_t prev = lo ? PyLong_AsSsize_t(PyList_GET_ITEM(ends, lo - 1)) + 1 : 0;
+                weight = w_end;
+                hit = (double)((long long)(i + 1 - prev) * page) * weight;
+                kinds = end_kinds;
+            } else {
+                weight = w_page;
+                hit = 0.0;
+                kinds = page_kinds;
+            }
+        }
+        if (bump(hist, b, hit) < 0 || count_kinds(kinds, refs, b, weight) < 0) return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+// suffix_of(values, sums, i, end): _Slots.suffix (for tests and the Python path's reads).
+static PyObject *suffix_of(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "suffix_of takes 4 arguments");
+        return NULL;
+    }
+    if (slot_lists(args[0], args[1]) < 0) return NULL;
+    Py_ssize_t i = PyLong_AsSsize_t(args[2]), end = PyLong_AsSsize_t(args[3]);
+    if (PyErr_Occurred()) return NULL;
+    Py_ssize_t nslots = PyList_GET_SIZE(args[0]);
+    if (PyList_GET_SIZE(args[1]) != ((nslots + (1 << SHIFT) - 1) >> SHIFT) || i < 0
+        || end > nslots || i > end) {
+        PyErr_SetString(PyExc_ValueError, "need 0 <= i <= end <= slots, and a sum per block");
+        return NULL;
+    }
+    double out;
+    if (suffix(PySequence_Fast_ITEMS(args[0]), PySequence_Fast_ITEMS(args[1]), i, end, &out) < 0)
+        return NULL;
+    return PyFloat_FromDouble(out);
+}
+
+static PyMethodDef methods[] = {
+    {"scan", (PyCFunction)(void (*)(void))scan, METH_FASTCALL,
+     "scan(keys, limit, end_set, end_threshold, space, known_n, known_ends, known_low)"},
+    {"touch", (PyCFunction)(void (*)(void))touch, METH_FASTCALL,
+     "touch(pages, values, sums, wb_page, wb_end, keys, sampled, ends, create, clock)"},
+    {"reference", (PyCFunction)(void (*)(void))reference, METH_FASTCALL,
+     "reference(pages, values, sums, keys, sampled, ends, last, clock, edges, hist, page, "
+     "w_page, w_end, page_kinds, end_kinds, refs, touched, seen)"},
+    {"suffix_of", (PyCFunction)(void (*)(void))suffix_of, METH_FASTCALL,
+     "suffix_of(values, sums, i, end)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_c_mrc", "The miss-ratio shadow's per-event loops, compiled.",
+    -1, methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__c_mrc(void) { return PyModule_Create(&module); }
