@@ -40,6 +40,8 @@ from tierstore.results import (
     MatchResult,
     PrefixRead,
     StoreStats,
+    insert_result,
+    match_result,
 )
 
 log = logging.getLogger(__name__)
@@ -189,7 +191,7 @@ class TierStore:
         self.ledger.miss()
         assert why is not None, "the match loop runs at least once"
         lost, evicted = self._settle(namespace, len(toks), keys, why, plans, 0, {})
-        return MatchResult(0, 0, _EMPTY, _EMPTY, None, None, found, {}, lost, evicted)
+        return match_result(0, 0, _EMPTY, _EMPTY, None, None, found, {}, lost, evicted)
 
     def _explain(self, path: list[Segment], keys: list[bytes], full: int) -> Explanation:
         return self.attribution.explain(path, keys, full)
@@ -219,9 +221,9 @@ class TierStore:
                 if n.hits == self.config.write_through_hits:
                     self.mover.backup(n)
         state = node.checkpoint(Tier.L1) if self._state else None
-        return MatchResult(pages * page, pages, rule.l1_ids(path, "kv"),
-                           rule.l1_ids(path, "swa"), state, Lease(node, self), found, tiers,
-                           *lost)
+        return match_result(pages * page, pages, rule.l1_ids(path, "kv"),
+                            rule.l1_ids(path, "swa"), state, Lease(node, self), found, tiers,
+                            *lost)
 
     def read_prefix(self, tokens: object, namespace: str = "default") -> PrefixRead:
         """:meth:`match`, then the matched rows pinned for reading (see
@@ -355,8 +357,8 @@ class TierStore:
                 self.arena.free_owned(kind, spare[kind])
         duplicates = len(spare["kv"]) + len(spare["swa"]) + len(spare[CHECKPOINT]) \
             - done.dropped
-        result = InsertResult(True, n_pages - cached, cached, done.checkpoint, duplicates,
-                              done.dropped)
+        result = insert_result(True, n_pages - cached, cached, done.checkpoint, duplicates,
+                               done.dropped)
         self.mrc.insert(keys, lists["state"] is not None)
         if self._write_through and end is not self.index.root:
             for node in self.index.path_to(end):
