@@ -160,21 +160,31 @@ class KeyValueStore:
 
     async def _put_off_loop(self, keys: Sequence[str], values: Sequence[bytes]) -> list[bool]:
         ranges = [self.host.reserve(len(v)) for v in values]
-        done = [(r, v) for r, v in zip(ranges, values, strict=True) if r is not None]
-        copy = asyncio.get_running_loop().run_in_executor(None, _fill, self.host, done)
-        try:
-            await asyncio.shield(copy)
-        except BaseException:  # give the ranges back once the copy has stopped
-            def give_back(_: object) -> None:
-                for value, _data in done:
-                    self.host.abandon(value)
-
-            copy.add_done_callback(give_back)
-            raise
+        await self._copy_in([(r, v) for r, v in zip(ranges, values, strict=True)
+                             if r is not None], force=True)
         for key, value in zip(keys, ranges, strict=True):
             if value is not None:
                 self.host.publish(key, value)
         return [r is not None for r in ranges]
+
+    async def _copy_in(self, items: list[tuple[Value, bytes | memoryview]], *,
+                       force: bool = False) -> None:
+        """Fill unpublished host ranges: on the loop when they total under
+        ``COPY_ON_LOOP_BYTES``, else (or with ``force``) on a worker thread; cancelled or
+        failed, the ranges are abandoned once the copy has stopped."""
+        if not force and sum(memoryview(d).nbytes for _, d in items) < COPY_ON_LOOP_BYTES:
+            _fill(self.host, items)
+            return
+        copy = asyncio.get_running_loop().run_in_executor(None, _fill, self.host, items)
+        try:
+            await asyncio.shield(copy)
+        except BaseException:  # give the ranges back once the copy has stopped
+            def give_back(_: object) -> None:
+                for value, _data in items:
+                    self.host.abandon(value)
+
+            copy.add_done_callback(give_back)
+            raise
 
     async def lookup(self, keys: Sequence[str]) -> list[Found]:
         """Per key its host value, else the bytes Redis had (copied into host memory when they
@@ -206,21 +216,32 @@ class KeyValueStore:
     async def _from_remote(self, keys: Sequence[str], missing: Sequence[int],
                            out: list[Found]) -> None:
         """Fill ``out[i]`` for the ``missing`` keys Redis holds: a pinned host value where one
-        fits, else bytes. A key put or deleted while Redis answered, or whose change was in
-        flight (its Redis write not landed), is a miss: the bytes may be older than it."""
+        fits (a large batch copied in by a worker thread), else the bytes Redis sent (a view,
+        not copied). A key put or deleted while Redis answered or the bytes were copied in,
+        or whose change was in flight (its Redis write not landed), is a miss: the bytes may
+        be older than it."""
         mark = self._changes.begin_read([keys[i] for i in missing])
         try:
             fetched = await self.l3.get(mark.keys)
+            found = [(i, view) for i, view in zip(missing, fetched, strict=True)
+                     if view is not None]
+            ranges = [self.host.reserve(view.nbytes) for _, view in found]
+            await self._copy_in([(value, view) for (_, view), value
+                                 in zip(found, ranges, strict=True) if value is not None])
         finally:
             stale = self._changes.end_read(mark)
-        for i, view in zip(missing, fetched, strict=True):
-            if view is None or keys[i] in stale:
+        for (i, view), value in zip(found, ranges, strict=True):
+            if keys[i] in stale:
+                if value is not None:
+                    self.host.abandon(value)
                 continue
             self.hits["redis"] += 1
-            value = self.host.get(keys[i]) if self.host.put(keys[i], view) else None
-            if value is not None:
-                self.host.pin(value)
-            out[i] = value if value is not None else bytes(view)
+            if value is None:  # host memory cannot take it
+                out[i] = view
+                continue
+            self.host.publish(keys[i], value)
+            self.host.pin(value)
+            out[i] = value
 
     async def read(self, keys: Sequence[str]
                    ) -> tuple[list[memoryview | bytes | None], Callable[[], None]]:
@@ -401,6 +422,6 @@ class KeyValueStore:
         return sum(self.host.drop_unpinned(k) for k in held)
 
 
-def _fill(host: HostValues, items: list[tuple[Value, bytes]]) -> None:
+def _fill(host: HostValues, items: list[tuple[Value, bytes | memoryview]]) -> None:
     for value, data in items:
         host.tensor(value).numpy()[:] = np.frombuffer(data, np.uint8)
