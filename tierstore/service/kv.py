@@ -187,9 +187,10 @@ class KeyValueStore:
             raise
 
     async def lookup(self, keys: Sequence[str]) -> list[Found]:
-        """Per key its host value, else the bytes Redis had (copied into host memory when they
-        fit, then given as that value), else None. Every value returned is pinned (the caller
-        unpins it: later puts of the same batch must not evict it)."""
+        """Per key its host value, else what the disk or Redis had (copied into host memory
+        when it fits, then given as that value; else the buffer read, as a view), else None.
+        Every host value returned is pinned (the caller unpins it: later puts of the same
+        batch must not evict it)."""
         out: list[Found] = []
         for key in keys:
             value = self.host.get(key)
