@@ -133,7 +133,11 @@ class Pool:
                                           self.num_free_ids)
         self.visited += used
         assert ids is not None, f"pool {self.name}: hole heap found fewer than {n} holes"
-        self._bound(ids)
+        self.num_free_ids -= n  # (_bound, inlined on the store's path)
+        self.num_live += n
+        self.allocated += n
+        if self.changed is not None:
+            self._log(ids)
         return ids
 
     def holes_within(self, lo: int, hi: int, n: int) -> list[int]:
@@ -238,8 +242,11 @@ class Pool:
         self.num_pending += pending
         if self.changed is not None:
             self._log(ids)
-        self._sweep_before(n)
-        self._holes.add_keys(keys)
+        holes = self._holes  # (_sweep_before, inlined on the store's path)
+        if len(holes.entries) > 2 * (self.hi - self.lo - self.num_live - self.num_pending + n) \
+                + self.sweep_slack:
+            self.visited += holes.sweep(self.lo, self.hi, self.fenced_refs != 0)
+        holes.add_keys(keys)
         return keys, low, high
 
     def release_array(self, ids: np.ndarray) -> np.ndarray:
