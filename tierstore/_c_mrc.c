@@ -4,8 +4,8 @@
 // order, so the curves are the same to the last bit (tested side by side):
 //   scan:      the positions under the page threshold, the checkpoint ends, the sample;
 //   reference: a match's distances, histogram bins and the positions to touch;
-//   touch:     move (or add) the sampled pages to the top of the stack.
-// The L1/L2 overlap's touch (a shadow with an L2) stays in Python.
+//   touch:     move (or add) the sampled pages to the top of the stack;
+//   touch_overlap: the same with an L2, keeping L1's window and its L2 copy bits.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -340,6 +340,154 @@ static PyObject *touch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
     return Py_BuildValue("nn", clock, added);
 }
 
+static double item_double(PyObject *list, Py_ssize_t j) {
+    return PyFloat_AsDouble(PyList_GET_ITEM(list, j));
+}
+
+// d[j] += v for each bit j of f (ascending, as the Python path's bit tuples)
+static int add_bits(PyObject *d, long long f, double v) {
+    Py_ssize_t m = PyList_GET_SIZE(d);
+    for (Py_ssize_t j = 0; f != 0; j++, f >>= 1) {
+        if (!(f & 1)) continue;
+        if (j >= m) {
+            PyErr_SetString(PyExc_ValueError, "a copy bit past the multiples");
+            return -1;
+        }
+        if (add_float(d, j, v) < 0) return -1;
+    }
+    return 0;
+}
+
+static int set_int(PyObject *list, Py_ssize_t i, long long v) {
+    PyObject *o = PyLong_FromLongLong(v);
+    if (o == NULL) return -1;
+    PyObject *old = PyList_GET_ITEM(list, i);
+    PyList_SET_ITEM(list, i, o);
+    Py_DECREF(old);
+    return 0;
+}
+
+// touch_overlap(pages, values, sums, fl, d, carry, wb_page, wb_end, keys, sampled, ends,
+//               create, clock, lo, win, c1, thr, seen)
+// -> (clock, ends added, lo, win), or None when the slots would run out on the way. As
+// Shadow._touch_overlap after its read of the distances (``seen`` holds every tracked
+// position outside L1's window).
+static PyObject *touch_overlap(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 18) {
+        PyErr_SetString(PyExc_TypeError, "touch_overlap takes 18 arguments");
+        return NULL;
+    }
+    PyObject *pages = args[0], *values = args[1], *sums = args[2], *fl = args[3], *d = args[4];
+    PyObject *carry = args[5], *keys = args[8], *sampled = args[9], *ends = args[10];
+    PyObject *thr = args[16], *seen = args[17];
+    if (!PyDict_Check(pages) || !PyDict_Check(carry) || !PyDict_Check(seen)) {
+        PyErr_SetString(PyExc_TypeError, "pages, carry and seen must be dicts");
+        return NULL;
+    }
+    if (slot_lists(values, sums) < 0 || check_keys(keys) < 0 || !is_int_list(sampled, "sampled")
+        || (ends != Py_None && !is_int_list(ends, "ends")) || !is_int_list(fl, "fl")
+        || !is_int_list(d, "d") || !is_int_list(thr, "thr"))
+        return NULL;
+    double wb[2] = {PyFloat_AsDouble(args[6]), PyFloat_AsDouble(args[7])};
+    int create = PyObject_IsTrue(args[11]);
+    Py_ssize_t clock = PyLong_AsSsize_t(args[12]), lo = PyLong_AsSsize_t(args[13]);
+    double win = PyFloat_AsDouble(args[14]), c1 = PyFloat_AsDouble(args[15]);
+    if (PyErr_Occurred() || create < 0) return NULL;
+    Py_ssize_t nslots = PyList_GET_SIZE(values), ns = PyList_GET_SIZE(sampled);
+    if (PyList_GET_SIZE(sums) != ((nslots + (1 << SHIFT) - 1) >> SHIFT)
+        || PyList_GET_SIZE(fl) != nslots || clock < 0 || clock > nslots || lo < 0
+        || lo > clock) {
+        PyErr_SetString(PyExc_ValueError, "the slots, their sums, bits and clock disagree");
+        return NULL;
+    }
+    if (clock + ns > nslots) Py_RETURN_NONE;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys), nt = PyList_GET_SIZE(thr);
+    PyObject **items = PySequence_Fast_ITEMS(keys);
+    Py_ssize_t added = 0;
+    for (Py_ssize_t j = ns - 1; j >= 0; j--) {
+        Py_ssize_t i = pos_at(sampled, j, n);
+        if (i < 0) return NULL;
+        PyObject *key = items[i], *pos = PyList_GET_ITEM(sampled, j);
+        PyObject *cv = PyDict_GetItemWithError(pages, key);
+        int is_end;
+        long long f = 0;
+        if (cv == NULL) {
+            if (PyErr_Occurred()) return NULL;
+            if (!create) continue;
+            is_end = 0;
+            if (ends != Py_None) {
+                is_end = PySequence_Contains(ends, pos);
+                if (is_end < 0) return NULL;
+            }
+            added += is_end;
+            if (PyDict_GET_SIZE(carry)) {
+                PyObject *cf = PyDict_GetItemWithError(carry, key);
+                if (cf == NULL && PyErr_Occurred()) return NULL;
+                if (cf != NULL && (f = PyLong_AsLongLong(cf)) == -1 && PyErr_Occurred())
+                    return NULL;
+            }
+        } else {
+            long long code;
+            if (code_of(cv, nslots, &code) < 0) return NULL;
+            is_end = (int)(code & 1);
+            Py_ssize_t slot = (Py_ssize_t)(code >> 1);
+            if (slot >= 0) {
+                double v = wb[is_end];
+                if (slot >= lo) {  // a hit in L1: its copy stays as it was
+                    f = PyLong_AsLongLong(PyList_GET_ITEM(fl, slot));
+                    if (f == -1 && PyErr_Occurred()) return NULL;
+                    win -= v;
+                    if (add_bits(d, f, -v) < 0) return NULL;
+                } else {
+                    PyObject *dv = PyDict_GetItemWithError(seen, pos);
+                    if (dv == NULL) {
+                        if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, pos);
+                        return NULL;
+                    }
+                    double dist = PyFloat_AsDouble(dv);
+                    if (dist == -1.0 && PyErr_Occurred()) return NULL;
+                    for (Py_ssize_t k = 0; k < nt; k++) {
+                        double t = item_double(thr, k);
+                        if (t == -1.0 && PyErr_Occurred()) return NULL;
+                        if (dist <= t) f |= 1LL << k;
+                    }
+                }
+                if (set_int(fl, slot, 0) < 0 || add_float(values, slot, -v) < 0
+                    || add_float(sums, slot >> SHIFT, -v) < 0)
+                    return NULL;
+            }
+        }
+        PyObject *nc = PyLong_FromSsize_t(clock << 1 | is_end);
+        if (nc == NULL) return NULL;
+        int rc = PyDict_SetItem(pages, key, nc);
+        Py_DECREF(nc);
+        if (rc < 0) return NULL;
+        double v = wb[is_end];
+        PyObject *old = PyList_GET_ITEM(values, clock);
+        if (set_float(values, clock, v) < 0) return NULL;
+        Py_DECREF(old);
+        if (add_float(sums, clock >> SHIFT, v) < 0 || set_int(fl, clock, f) < 0) return NULL;
+        win += v;
+        if (add_bits(d, f, v) < 0) return NULL;
+        clock++;
+    }
+    while (win > c1 && lo < clock) {  // the oldest of L1's window leave it
+        PyObject *vo = PyList_GET_ITEM(values, lo);
+        if (!PyFloat_CheckExact(vo)) {
+            PyErr_SetString(PyExc_TypeError, "the slots must hold floats");
+            return NULL;
+        }
+        double v = PyFloat_AS_DOUBLE(vo);
+        if (v != 0.0) {
+            win -= v;
+            long long f = PyLong_AsLongLong(PyList_GET_ITEM(fl, lo));
+            if ((f == -1 && PyErr_Occurred()) || add_bits(d, f, -v) < 0) return NULL;
+        }
+        lo++;
+    }
+    return Py_BuildValue("nnnd", clock, added, lo, win);
+}
+
 static Py_ssize_t bisect_left(PyObject *list, double x) {
     Py_ssize_t lo = 0, hi = PyList_GET_SIZE(list);
     while (lo < hi) {
@@ -387,14 +535,66 @@ static int count_kinds(PyObject *kinds, PyObject *refs, Py_ssize_t b, double wei
     return 0;
 }
 
+// L2's hits per multiple (a distance within C1 and thr[j]) and, without an unbounded tier
+// below, L1's totals (within l1_thr[j]), as the Python loop adds them.
+static int overlap_tallies(PyObject *thr, double top, double c1, PyObject *l2_hit,
+                           PyObject *l2_kind, PyObject *l1_thr, PyObject *l1_total,
+                           PyObject *kinds, double dist, double hit, double weight) {
+    Py_ssize_t m = PyList_GET_SIZE(thr);
+    if (c1 < dist && dist <= top) {
+        for (Py_ssize_t j = 0; j < m; j++) {
+            double t = item_double(thr, j);
+            if (t == -1.0 && PyErr_Occurred()) return -1;
+            if (dist > t) continue;
+            if (bump(l2_hit, j, hit) < 0) return -1;
+            for (Py_ssize_t k = 0; k < PyList_GET_SIZE(kinds); k++) {
+                PyObject *kind = PyTuple_GET_ITEM(PyList_GET_ITEM(kinds, k), 1);
+                PyObject *h = PyDict_GetItemWithError(l2_kind, kind);
+                if (h == NULL || !PyList_Check(h) || PyList_GET_SIZE(h) != m) {
+                    if (!PyErr_Occurred())
+                        PyErr_SetString(PyExc_ValueError, "l2_kind lacks a kind's tally");
+                    return -1;
+                }
+                if (bump(h, j, weight) < 0) return -1;
+            }
+        }
+    }
+    if (l1_thr != Py_None) {
+        for (Py_ssize_t j = 0; j < PyList_GET_SIZE(l1_thr); j++) {
+            double t = item_double(l1_thr, j);
+            if (t == -1.0 && PyErr_Occurred()) return -1;
+            if (dist <= t && bump(l1_total, j, hit) < 0) return -1;
+        }
+    }
+    return 0;
+}
+
 // reference(pages, values, sums, keys, sampled, ends, last, clock, edges, hist, page,
 //           w_page, w_end, page_kinds, end_kinds, refs, touched, seen)
 // As the loop of Shadow._reference without an L2 overlap: fills touched, seen, the
 // histograms and the kinds' reference counts.
 static PyObject *reference(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 18) {
-        PyErr_SetString(PyExc_TypeError, "reference takes 18 arguments");
+    if (nargs != 18 && nargs != 25) {
+        PyErr_SetString(PyExc_TypeError, "reference takes 18 arguments (25 with an overlap)");
         return NULL;
+    }
+    // With an L2 overlap: thr (per multiple), top, c1, l2_hit, l2_kind, l1_thr (or None),
+    // l1_total; as the Python loop's two extra tallies.
+    PyObject *thr = NULL, *l2_hit = NULL, *l2_kind = NULL, *l1_thr = NULL, *l1_total = NULL;
+    double top = 0.0, c1 = 0.0;
+    if (nargs == 25) {
+        thr = args[18], l2_hit = args[21], l2_kind = args[22], l1_thr = args[23];
+        l1_total = args[24];
+        top = PyFloat_AsDouble(args[19]);
+        c1 = PyFloat_AsDouble(args[20]);
+        if (PyErr_Occurred()) return NULL;
+        if (!PyList_Check(thr) || !PyList_Check(l2_hit) || !PyDict_Check(l2_kind)
+            || (l1_thr != Py_None && !PyList_Check(l1_thr)) || !PyList_Check(l1_total)
+            || PyList_GET_SIZE(l2_hit) != PyList_GET_SIZE(thr)
+            || (l1_thr != Py_None && PyList_GET_SIZE(l1_total) != PyList_GET_SIZE(l1_thr))) {
+            PyErr_SetString(PyExc_TypeError, "bad overlap tallies");
+            return NULL;
+        }
     }
     PyObject *pages = args[0], *values = args[1], *sums = args[2], *keys = args[3];
     PyObject *sampled = args[4], *ends = args[5], *edges = args[8], *hist = args[9];
@@ -475,6 +675,9 @@ static PyObject *reference(PyObject *self, PyObject *const *args, Py_ssize_t nar
             }
         }
         if (bump(hist, b, hit) < 0 || count_kinds(kinds, refs, b, weight) < 0) return NULL;
+        if (thr != NULL && overlap_tallies(thr, top, c1, l2_hit, l2_kind, l1_thr, l1_total,
+                                           kinds, dist, hit, weight) < 0)
+            return NULL;
     }
     Py_RETURN_NONE;
 }
@@ -508,6 +711,9 @@ static PyMethodDef methods[] = {
     {"reference", (PyCFunction)(void (*)(void))reference, METH_FASTCALL,
      "reference(pages, values, sums, keys, sampled, ends, last, clock, edges, hist, page, "
      "w_page, w_end, page_kinds, end_kinds, refs, touched, seen)"},
+    {"touch_overlap", (PyCFunction)(void (*)(void))touch_overlap, METH_FASTCALL,
+     "touch_overlap(pages, values, sums, fl, d, carry, wb_page, wb_end, keys, sampled, ends, "
+     "create, clock, lo, win, c1, thr, seen)"},
     {"suffix_of", (PyCFunction)(void (*)(void))suffix_of, METH_FASTCALL,
      "suffix_of(values, sums, i, end)"},
     {NULL, NULL, 0, NULL},

@@ -189,6 +189,10 @@ class Shadow:
         self._l2_hit = [0.0] * n
         self._l2_kind = {k: [0.0] * n for k in self.kinds}
         self._l1_total = [0.0] * n  # without an unbounded tier below: L1 at m*C1 plus L2
+        self._reach = [self._c1 + m * self._c2 for m in self.multiples]
+        self._one = min(range(n), key=lambda j: abs(self.multiples[j] - 1))
+        below = self._c2 + self.capacities.get("l3", 0)
+        self._l1_reach = [(m * self._c1 + below, min(m, 1.0)) for m in self.multiples]
         # a page that becomes a checkpoint end is tracked anew: the copy bits it had
         self._carry: dict[bytes, int] = {}
 
@@ -361,17 +365,21 @@ class Shadow:
         w_page, w_end = self._w_page, self._w_end
         refs = self._kind_refs
         last = ends[-1] if ends is not None else len(keys) - 1
-        c = self._c
-        if c is not None and not self._overlap and type(keys) is list:
-            c.reference(pages, tree.values, tree.sums, keys, sampled, ends, last, clock, edges,
-                        hist, page, w_page, w_end, self._page_kinds, self._end_kinds, refs,
-                        touched, seen)
-            return
         c1 = self._c1
         if self._overlap:  # an L2 of m*C2 holds what lies within C1 + m*C2 - D_m
             thr = self._thresholds()
             top = max(thr)
             l1_thr = None if self.unbounded_below else self._l1_thresholds()
+        c = self._c
+        if c is not None and type(keys) is list:
+            args = (pages, tree.values, tree.sums, keys, sampled, ends, last, clock, edges, hist,
+                    page, w_page, w_end, self._page_kinds, self._end_kinds, refs, touched, seen)
+            if self._overlap:
+                c.reference(*args, thr, top, c1, self._l2_hit, self._l2_kind, l1_thr,
+                            self._l1_total)
+            else:
+                c.reference(*args)
+            return
         for i in sampled:
             code = pages.get(keys[i])
             if code is None:
@@ -414,20 +422,14 @@ class Shadow:
 
     def _thresholds(self) -> list[float]:
         """Per multiple ``m``: the deepest distance an L2 of ``m*C2`` bytes serves."""
-        c1, c2 = self._c1, self._c2
-        values, s = self._tree.values, self._lo - 1
-        while s >= 0 and not values[s]:
-            s -= 1
-        floor = c1 + (values[s] if s >= 0 else 0.0)
-        return [max(c1 + m * c2 - d, floor) for m, d in zip(self.multiples, self._d, strict=True)]
+        return [r - d for r, d in zip(self._reach, self._d, strict=True)]
 
     def _l1_thresholds(self) -> list[float]:
         """Per multiple ``m`` of L1: the deepest distance L1 + L2 serve with L1 at ``m*C1``,
         plus a bounded L3. The overlap is measured at L1's own size only (the multiple nearest
         1): a smaller L1 is taken to hold copies in proportion, a larger one as many."""
-        j = min(range(len(self.multiples)), key=lambda j: abs(self.multiples[j] - 1))
-        d, below = self._d[j], self._c2 + self.capacities.get("l3", 0)
-        return [m * self._c1 - min(m, 1.0) * d + below for m in self.multiples]
+        d = self._d[self._one]
+        return [r - s * d for r, s in self._l1_reach]
 
     def _flush(self, pending: _Pending) -> None:
         """The touch a match left to the next event."""
@@ -511,6 +513,17 @@ class Shadow:
                 at = pages.get(keys[i], -1) >> 1
                 if 0 <= at < lo:
                     seen[i] = tree.suffix(at, clock)
+        c = self._c
+        if c is not None and type(keys) is list:
+            done = c.touch_overlap(pages, values, sums, fl, d, carry, wb[0], wb[1], keys,
+                                   sampled, ends, create, clock, lo, win, c1, thr, seen)
+            if done is not None:  # (None: the slots run out on the way; compacted below)
+                self._clock, added, self._lo, self._win = done
+                self._num_ends += added
+                if len(pages) - self._num_ends > self.max_tracked \
+                        or self._num_ends > self.max_tracked:
+                    self._lower_rate()
+                return
         for i in reversed(sampled):
             key = keys[i]
             code = pages.get(key)

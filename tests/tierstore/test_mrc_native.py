@@ -27,7 +27,7 @@ def pair(capacities: dict[str, int], units: dict[str, int], **kw: Any) -> tuple[
     ({"l1": 20_000}, UNITS, {"max_tracked": 16}),  # rates halve, ends rotate, slots compact
     ({"l1": 20_000}, UNITS, {}),  # the serving default: pages from 1/16
     ({"l1": 20_000}, {"kv": 100, "swa": 50}, {"max_tracked": 64}),  # no state: every page ends
-    ({"l1": 10_000, "l2": 20_000}, UNITS, {"max_tracked": 64}),  # L2: the overlap's own loops
+    ({"l1": 10_000, "l2": 20_000}, UNITS, {"max_tracked": 64}),  # L2: the overlap's loops
     ({"l1": 10_000, "l2": 20_000}, UNITS, {"rate": 1.0}),
 ])
 def test_compiled_loops_match_the_pure_ones_event_by_event(
@@ -45,6 +45,8 @@ def test_compiled_loops_match_the_pure_ones_event_by_event(
         assert compiled._pages == pure._pages and compiled._clock == pure._clock
         assert compiled._tree.values == pure._tree.values
         assert compiled._tree.sums == pure._tree.sums
+        assert (compiled._fl, compiled._lo, compiled._win, compiled._d) \
+            == (pure._fl, pure._lo, pure._win, pure._d)  # L1's window and its L2 copy bits
     assert compiled.curves() == pure.curves()
     assert compiled._num_ends == pure._num_ends
 
