@@ -276,6 +276,7 @@ done:
 }
 
 static inline int lookup(const Ghost *self, uint64_t fp) {
+    prefetch_slot(&self->old, fp);  // both generations' slots are cold: fetch them together
     int t = table_tier(&self->young, fp);
     return t ? t : table_tier(&self->old, fp);
 }
