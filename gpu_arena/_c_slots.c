@@ -110,13 +110,23 @@ static int ready(SlotLoops *self) {
     return 1;
 }
 
+/* An int (or an object with __index__, e.g. a numpy integer) as int64; -1 with an exception. */
 static int as_i64(PyObject *o, const char *what, int64_t *out) {
-    if (!PyLong_Check(o)) {
-        PyErr_Format(PyExc_TypeError, "%s must be an int, got %.100s", what,
-                     Py_TYPE(o)->tp_name);
-        return -1;
+    long long v;
+    if (PyLong_Check(o)) { /* no Python code runs for an int (or an int subclass) */
+        v = PyLong_AsLongLong(o);
+    } else {
+        Py_INCREF(o); /* __index__ may run Python code: hold what we read */
+        PyObject *index = PyNumber_Index(o);
+        Py_DECREF(o);
+        if (index == NULL) {
+            PyErr_Format(PyExc_TypeError, "%s must be an int, got %.100s", what,
+                         Py_TYPE(o)->tp_name);
+            return -1;
+        }
+        v = PyLong_AsLongLong(index);
+        Py_DECREF(index);
     }
-    long long v = PyLong_AsLongLong(o);
     if (v == -1 && PyErr_Occurred()) {
         return -1;
     }
@@ -171,7 +181,6 @@ static int take_core(SlotLoops *self, PyObject *entries, int64_t sign, int64_t l
     if (PyList_Sort(entries) < 0) {
         return -1;
     }
-    Py_ssize_t size = PyList_GET_SIZE(entries);
     const int64_t *owner = self->owner;
     const int32_t *readers = self->readers, *writers = self->writers;
     /* Keys beyond any slot cannot be holes; clamping them keeps sign * key in range. */
@@ -179,7 +188,8 @@ static int take_core(SlotLoops *self, PyObject *entries, int64_t sign, int64_t l
     Py_ssize_t used = 0, k = 0;
     int64_t last = 0;
     int has_last = 0;
-    while (used < size && k < want) {
+    /* (The list's size is re-read: an entry's __index__ could change the list.) */
+    while (used < PyList_GET_SIZE(entries) && k < want) {
         int64_t key;
         if (as_i64(PyList_GET_ITEM(entries, used), "a hole-heap entry", &key) < 0) {
             return -1;
@@ -335,6 +345,10 @@ static int parse_slots(SlotLoops *self, PyObject *list, const char *what, int64_
     Py_ssize_t n = PyList_GET_SIZE(list);
     for (Py_ssize_t k = 0; k < n; k++) {
         int64_t v;
+        if (PyList_GET_SIZE(list) != n) { /* an item's __index__ changed the list */
+            PyErr_Format(PyExc_ValueError, "%s: the list changed while it was read", what);
+            return -1;
+        }
         if (as_i64(PyList_GET_ITEM(list, k), what, &v) < 0) {
             return -1;
         }

@@ -81,12 +81,14 @@ def test_random_calls_agree_side_by_side(seed: int, monkeypatch: pytest.MonkeyPa
         elif op < 0.65 and live[pool]:
             k = rng.randint(1, min(len(live[pool]), 30))
             ids = rng.sample(live[pool], k)
-            how = rng.choice(["free", "list", "array", "tensor"])
+            how = rng.choice(["free", "list", "numpy ints", "array", "tensor"])
             for arena in (a, b):
                 if how == "free":
                     arena.free(pool, ids)
                 elif how == "list":
                     arena.free_owned(pool, list(ids))
+                elif how == "numpy ints":  # items with __index__, as list(an array) gives
+                    arena.free_owned(pool, list(np.asarray(ids)))
                 elif how == "array":
                     arena.free_owned(pool, np.asarray(ids))
                 else:
