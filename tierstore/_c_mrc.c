@@ -368,13 +368,13 @@ static int set_int(PyObject *list, Py_ssize_t i, long long v) {
 }
 
 // touch_overlap(pages, values, sums, fl, d, carry, wb_page, wb_end, keys, sampled, ends,
-//               create, clock, lo, win, c1, thr, seen)
+//               create, clock, lo, win, c1, thr, seen, force)
 // -> (clock, ends added, lo, win), or None when the slots would run out on the way. As
 // Shadow._touch_overlap after its read of the distances (``seen`` holds every tracked
 // position outside L1's window).
 static PyObject *touch_overlap(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 18) {
-        PyErr_SetString(PyExc_TypeError, "touch_overlap takes 18 arguments");
+    if (nargs != 19) {
+        PyErr_SetString(PyExc_TypeError, "touch_overlap takes 19 arguments");
         return NULL;
     }
     PyObject *pages = args[0], *values = args[1], *sums = args[2], *fl = args[3], *d = args[4];
@@ -392,6 +392,7 @@ static PyObject *touch_overlap(PyObject *self, PyObject *const *args, Py_ssize_t
     int create = PyObject_IsTrue(args[11]);
     Py_ssize_t clock = PyLong_AsSsize_t(args[12]), lo = PyLong_AsSsize_t(args[13]);
     double win = PyFloat_AsDouble(args[14]), c1 = PyFloat_AsDouble(args[15]);
+    long long force = PyLong_AsLongLong(args[18]);  // bits every placed page gets
     if (PyErr_Occurred() || create < 0) return NULL;
     Py_ssize_t nslots = PyList_GET_SIZE(values), ns = PyList_GET_SIZE(sampled);
     if (PyList_GET_SIZE(sums) != ((nslots + (1 << SHIFT) - 1) >> SHIFT)
@@ -462,6 +463,7 @@ static PyObject *touch_overlap(PyObject *self, PyObject *const *args, Py_ssize_t
         int rc = PyDict_SetItem(pages, key, nc);
         Py_DECREF(nc);
         if (rc < 0) return NULL;
+        f |= force;
         double v = wb[is_end];
         PyObject *old = PyList_GET_ITEM(values, clock);
         if (set_float(values, clock, v) < 0) return NULL;
@@ -713,7 +715,7 @@ static PyMethodDef methods[] = {
      "w_page, w_end, page_kinds, end_kinds, refs, touched, seen)"},
     {"touch_overlap", (PyCFunction)(void (*)(void))touch_overlap, METH_FASTCALL,
      "touch_overlap(pages, values, sums, fl, d, carry, wb_page, wb_end, keys, sampled, ends, "
-     "create, clock, lo, win, c1, thr, seen)"},
+     "create, clock, lo, win, c1, thr, seen, force)"},
     {"suffix_of", (PyCFunction)(void (*)(void))suffix_of, METH_FASTCALL,
      "suffix_of(values, sums, i, end)"},
     {NULL, NULL, 0, NULL},

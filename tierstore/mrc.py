@@ -23,7 +23,8 @@ distance ``d > C1`` is in an L2 of ``m*C2`` bytes iff ``d <= C1 + m*C2 - D_m``, 
 the bytes in L1 with an L2 copy *at that L2 size*. The shadow measures ``D_m`` itself, per
 multiple: it keeps the boundary of L1's top ``C1`` bytes in its stack, and a bit per multiple
 on each page there saying whether it entered L1 from within that L2's window (a page entering
-from further down, or new, has no copy; a hit in L1 keeps what it had). L1's curve is ``H(m *
+from further down, or new, has no copy; a hit in L1 keeps what it had; under write-through
+an insert copies every page it touches). L1's curve is ``H(m *
 C1)`` (L1 alone decides it); L3 is read as the next ``C3`` bytes past ``C1 + C2``. KV, SWA and
 state entries are counted separately as well (the share of referenced entries of each kind a
 size would hold).
@@ -116,8 +117,8 @@ class Shadow:
     def __init__(self, capacities: Mapping[str, int | None], units: Mapping[str, int],
                  page_size: int, *, swa_window_pages: int = 0, swa_window_only: bool = False,
                  rate: float = DEFAULT_RATE, max_tracked: int = DEFAULT_MAX_TRACKED,
-                 multiples: Sequence[float] = MULTIPLES, unbounded_below: bool = False
-                 ) -> None:
+                 multiples: Sequence[float] = MULTIPLES, unbounded_below: bool = False,
+                 write_through: bool = False) -> None:
         if not 0 < rate <= 1:
             raise ValueError(f"sampling rate must be in (0, 1], got {rate}")
         if max_tracked < 16:
@@ -131,6 +132,8 @@ class Shadow:
         # An unbounded last tier (an L3 of unknown size) serves whatever the others miss: the
         # whole cache's hit rate is then the unbounded one whatever a tier's size.
         self.unbounded_below = unbounded_below
+        # Write-through: an insert copies its whole path down to L2 (``Mover.backup``).
+        self.write_through = write_through
         # Two thresholds: ordinary pages, and candidate ends (pages a checkpoint follows).
         # Ends are few and carry each prefix's hit tokens, so they are sampled apart (all of
         # them until there are ``max_tracked``): sampling them with the pages would let a few
@@ -503,6 +506,7 @@ class Shadow:
         fl, d, bits, carry = self._fl, self._d, self._bits, self._carry
         lo, win, c1 = self._lo, self._win, self._c1
         thr = self._thresholds()
+        force = (1 << len(d)) - 1 if create and self.write_through else 0  # every page copied
         # As in the store, the request's pages come in together (its path is locked while
         # they do): whether a page was in L1, and its distance, are read before any of them
         # moves, and L1's window moves past its oldest pages once they all did.
@@ -516,7 +520,7 @@ class Shadow:
         c = self._c
         if c is not None and type(keys) is list:
             done = c.touch_overlap(pages, values, sums, fl, d, carry, wb[0], wb[1], keys,
-                                   sampled, ends, create, clock, lo, win, c1, thr, seen)
+                                   sampled, ends, create, clock, lo, win, c1, thr, seen, force)
             if done is not None:  # (None: the slots run out on the way; compacted below)
                 self._clock, added, self._lo, self._win = done
                 self._num_ends += added
@@ -561,6 +565,7 @@ class Shadow:
                 values, sums, wb, fl = tree.values, tree.sums, self._wb, self._fl
                 clock, lo, win = self._clock, self._lo, self._win
             pages[key] = clock << 1 | is_end
+            f |= force
             v = wb[is_end]
             values[clock] = v  # slots at and past the clock are empty
             sums[clock >> _SHIFT] += v
@@ -767,4 +772,5 @@ def shadow_for(config: StoreConfig, layout: ModelLayout, *, swa_window_only: boo
                   swa_window_pages=layout.swa_window_pages(),
                   swa_window_only=swa_window_only,
                   unbounded_below=config.remote is not None and l3_bytes is None,
+                  write_through=config.write_policy == "write_through",
                   **kwargs)  # type: ignore[arg-type]

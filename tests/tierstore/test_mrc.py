@@ -129,8 +129,8 @@ class TwoTiers:
     in together (its path is locked meanwhile), then L1 makes room. A candidate's tokens are
     counted in the tier holding its deepest page, as the shadow counts them."""
 
-    def __init__(self, c1: float, c2: float) -> None:
-        self.c1, self.c2 = c1, c2
+    def __init__(self, c1: float, c2: float, write_through: bool = False) -> None:
+        self.c1, self.c2, self.write_through = c1, c2, write_through
         self.l1: OrderedDict[bytes, int] = OrderedDict()
         self.l2: dict[bytes, int] = {}
         self.used: dict[bytes, int] = {}
@@ -153,13 +153,16 @@ class TwoTiers:
         while held > self.c1:
             k, size = self.l1.popitem(last=False)
             held -= size
-            if k in self.l2:
-                continue
-            room = self.c2 - sum(self.l2.values())
-            while self.l2 and room < size:
-                room += self.l2.pop(min(self.l2, key=self.used.__getitem__))
-            if size <= self.c2:
-                self.l2[k] = size
+            self._copy_down(k, size)
+
+    def _copy_down(self, k: bytes, size: int) -> None:
+        if k in self.l2:
+            return
+        room = self.c2 - sum(self.l2.values())
+        while self.l2 and room < size:
+            room += self.l2.pop(min(self.l2, key=self.used.__getitem__))
+        if size <= self.c2:
+            self.l2[k] = size
 
     def insert(self, keys: list[bytes]) -> None:
         if keys[-1] not in self.ends:
@@ -168,6 +171,10 @@ class TwoTiers:
                 if keys[-1] in tier:
                     tier[keys[-1]] += UNITS["state"]
         self._touch(keys, True)
+        if self.write_through:  # Mover.backup: the inserted path, root first
+            for k in keys:
+                if k in self.l1:
+                    self._copy_down(k, self.l1[k])
 
     def match(self, keys: list[bytes]) -> None:
         best = 0
@@ -214,6 +221,26 @@ def test_l2_curve_follows_its_copies_of_l1(seed: int, n: int, c1: int, c2: int) 
     if exclusive:  # the correction is not vacuous: the exclusive reading was off here
         off = [exclusive[m].hit / tokens - l1 - v for m, v in zip(checked, l2, strict=True)]
         assert max(off) > 0.04
+
+
+def test_l2_curve_under_write_through() -> None:
+    """Write-through copies every inserted page down at once: L2 holds copies of nearly all of
+    L1, and the shadow (told the policy) follows it."""
+    ops = workload(1500, seed=1)
+    c1, c2 = 20_000, 30_000
+    shadow = Shadow({"l1": c1, "l2": c2}, UNITS, PAGE, rate=1.0, write_through=True)
+    checked = (0.5, 1.0, 2.0, 4.0)
+    sims = {m: TwoTiers(c1, m * c2, write_through=True) for m in checked}
+    back = {m: TwoTiers(c1, m * c2) for m in checked}
+    tokens = run(shadow, {}, ops)
+    for op, keys, _ in ops:
+        for sim in (*sims.values(), *back.values()):
+            (sim.match if op == "match" else sim.insert)(keys)
+    at = [MULTIPLES.index(m) for m in checked]
+    l2 = [sims[m].hit[2] / tokens for m in checked]
+    assert [curves(shadow)["tiers"]["l2"]["hit_rate"][i] for i in at] == pytest.approx(l2,
+                                                                                   abs=0.01)
+    assert max(b.hit[2] / tokens - v for b, v in zip(back.values(), l2, strict=True)) > 0.02
 
 
 def test_sampled_shadow_stays_close_and_bounded() -> None:

@@ -9,11 +9,33 @@ from typing import Any
 
 import pytest
 
-from tests.tierstore.test_mrc import PAGE, UNITS, workload
 from tierstore import mrc
 from tierstore.mrc import Shadow
 
+PAGE = 16
+UNITS = {"kv": 100, "state": 700}
+
 _c: Any = pytest.importorskip("tierstore._c_mrc")  # built by setup.py; imported even when pure
+
+
+def workload(n: int, seed: int) -> list[tuple[str, list[bytes], int]]:
+    """Matches then inserts of chained page keys: a few shared system prompts, conversations
+    that grow (zipf-ish reuse) and start over."""
+    rng = random.Random(seed)
+    convs: list[list[bytes]] = []
+    ops: list[tuple[str, list[bytes], int]] = []
+    for _ in range(n):
+        if not convs or rng.random() < 0.3:
+            system = hashlib.sha256(bytes([rng.randrange(4)])).digest()
+            convs.append([system, hashlib.sha256(system).digest()])
+        c = convs[min(int(rng.paretovariate(1.2)) - 1, len(convs) - 1)]
+        if len(c) > 40:
+            del c[2:]
+        for _ in range(rng.randrange(1, 4)):
+            c.append(hashlib.sha256(c[-1] + rng.randbytes(8)).digest())
+        ops.append(("match", c[:-1], (len(c) - 1) * PAGE + rng.randrange(PAGE)))
+        ops.append(("insert", list(c), 0))
+    return ops
 
 
 def pair(capacities: dict[str, int], units: dict[str, int], **kw: Any) -> tuple[Shadow, Shadow]:
@@ -29,6 +51,7 @@ def pair(capacities: dict[str, int], units: dict[str, int], **kw: Any) -> tuple[
     ({"l1": 20_000}, {"kv": 100, "swa": 50}, {"max_tracked": 64}),  # no state: every page ends
     ({"l1": 10_000, "l2": 20_000}, UNITS, {"max_tracked": 64}),  # L2: the overlap's loops
     ({"l1": 10_000, "l2": 20_000}, UNITS, {"rate": 1.0}),
+    ({"l1": 10_000, "l2": 20_000}, UNITS, {"max_tracked": 64, "write_through": True}),
 ])
 def test_compiled_loops_match_the_pure_ones_event_by_event(
         seed: int, capacities: dict[str, int], units: dict[str, int], kw: dict[str, Any]) -> None:
