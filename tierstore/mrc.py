@@ -15,19 +15,12 @@ page first, so its distance bounds its ancestors'. Hit tokens at size ``C`` are 
 so sampling candidates by their page key estimates it. Page objects weigh their KV (and SWA)
 bytes, a candidate end adds the checkpoint (and, under SWA window retention, the window).
 
-Tiers are read as an LRU hierarchy: L1 holds the most recent ``C1`` bytes. L2 is not the
-next ``C2`` bytes: a promotion from L2 (or an insert of pages it holds) *copies* into L1 and L2
-keeps its copy (``Mover._load``), while L2 evicts by the same recency. So L2 holds the most
-recent ``C2`` bytes among L1's pages that keep an L2 copy and every page below L1: a page at
-distance ``d > C1`` is in an L2 of ``m*C2`` bytes iff ``d <= C1 + m*C2 - D_m``, ``D_m`` being
-the bytes in L1 with an L2 copy *at that L2 size*. The shadow measures ``D_m`` itself, per
-multiple: it keeps the boundary of L1's top ``C1`` bytes in its stack, and a bit per multiple
-on each page there saying whether it entered L1 from within that L2's window (a page entering
-from further down, or new, has no copy; a hit in L1 keeps what it had; under write-through
-an insert copies every page it touches). L1's curve is ``H(m *
-C1)`` (L1 alone decides it); L3 is read as the next ``C3`` bytes past ``C1 + C2``. KV, SWA and
-state entries are counted separately as well (the share of referenced entries of each kind a
-size would hold).
+L1 holds the most recent ``C1`` bytes: its curve is ``H(m * C1)``. L2 keeps a copy of what it
+promotes into L1, so an L2 of ``m*C2`` bytes serves what lies within ``C1 + m*C2 - D_m``,
+``D_m`` the bytes of L1's pages it holds copies of at that size, measured per multiple
+(:mod:`tierstore.mrc_stack`). L3 is read as the next ``C3`` bytes past ``C1 + C2``. KV, SWA
+and state entries are counted apart too (the share of referenced entries a size would hold).
+The per-event loops are compiled (``tierstore/_c_mrc.c``), with the same results.
 
 Events are queued and played :data:`BATCH` at a time (and before curves are read): in one pass
 the shadow's tables stay in cache; between the store's own work each request's few probes
@@ -41,6 +34,9 @@ from collections.abc import Callable, Mapping, Sequence
 from itertools import compress
 from typing import TYPE_CHECKING, Any
 
+from tierstore import mrc_curves, mrc_stack
+from tierstore.mrc_stack import SHIFT as _SHIFT
+from tierstore.mrc_stack import Slots as _Slots
 from tierstore.native import load
 
 if TYPE_CHECKING:
@@ -57,8 +53,6 @@ MULTIPLES = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0)
 # threshold's 4 bytes, one C-level bytes comparison per page and no hashing pass.
 _SPACE = 1 << 32
 _ALL = b"\xff" * 64  # sorts above every key: rate 1
-_SHIFT = 8
-_BLOCK = 1 << _SHIFT
 DEFAULT_MAX_TRACKED = 16_384
 # Pages start sampled at 1/16 (candidate ends at 1): on the shipped trace that is within
 # 0.9 points of the unsampled curve, at a sixteenth of the per-page work.
@@ -74,32 +68,6 @@ def _limit(threshold: int) -> bytes:
 
 def _end_sampled(key: bytes, threshold: int) -> bool:
     return int.from_bytes(key[4:8], "big") < threshold
-
-
-class _Slots:
-    """Weighted bytes per time slot, with a sum per block of ``2**_SHIFT`` slots: an update is
-    two list writes, the bytes at or after a slot two C-level ``sum``s over at most a block
-    each. Updates (two per touched page) outnumber distance reads about 5:1 per request,
-    so this beats a Fenwick tree's ~17-step Python loops."""
-
-    __slots__ = ("sums", "values")
-
-    def __init__(self, values: list[float]) -> None:
-        self.values = values
-        self.sums = [sum(values[i:i + _BLOCK]) for i in range(0, len(values), _BLOCK)]
-
-    def add(self, i: int, delta: float) -> None:
-        self.values[i] += delta
-        self.sums[i >> _SHIFT] += delta
-
-    def suffix(self, i: int, end: int) -> float:
-        """Sum of slots ``[i, end)`` (``end``: past the last slot used; a recent page's
-        distance reads a few slots, not the whole list)."""
-        b = i >> _SHIFT
-        stop = (b + 1) << _SHIFT
-        if end <= stop:
-            return sum(self.values[i:end])
-        return sum(self.values[i:stop]) + sum(self.sums[b + 1:((end - 1) >> _SHIFT) + 1])
 
 
 # A match's touch, left to the next event (a plain tuple: building it is one C call):
@@ -274,7 +242,7 @@ class Shadow:
                     ends.append(n - 1)
                 code = self._pages.pop(last, None)
                 if code is not None:  # a tracked page becomes an end: tracked anew below
-                    self._untrack(code, last)
+                    mrc_stack.untrack(self, code, last)
         c = self._c
         if c is not None and not self._overlap and type(keys) is list:  # _scan and _touch's
             limit = self._page_limit  # compiled paths, one frame fewer each
@@ -448,7 +416,7 @@ class Shadow:
         request, by position, of every tracked one before ``start`` (the L2 copy bits of
         pages coming into L1)."""
         if self._overlap:
-            self._touch_overlap(keys, ends, sampled, create, seen, start)
+            mrc_stack.touch(self, keys, ends, sampled, create, seen, start)
             return
         pages = self._pages
         if self._c is not None and type(keys) is list:
@@ -493,136 +461,6 @@ class Shadow:
         if len(pages) - self._num_ends > self.max_tracked or self._num_ends > self.max_tracked:
             self._lower_rate()
 
-    def _touch_overlap(self, keys: Sequence[bytes], ends: list[int] | None,
-                       sampled: list[int], create: bool, seen: dict[int, float] | None,
-                       start: int) -> None:
-        """:meth:`_touch`, keeping L1's window and its L2 copy bits (a page from below L1
-        gets the bits its distance earns; one in L1 keeps its own; a new one has none)."""
-        pages = self._pages
-        tree = self._tree
-        values, sums = tree.values, tree.sums
-        wb = self._wb
-        clock = self._clock
-        fl, d, bits, carry = self._fl, self._d, self._bits, self._carry
-        lo, win, c1 = self._lo, self._win, self._c1
-        thr = self._thresholds()
-        force = (1 << len(d)) - 1 if create and self.write_through else 0  # every page copied
-        # As in the store, the request's pages come in together (its path is locked while
-        # they do): whether a page was in L1, and its distance, are read before any of them
-        # moves, and L1's window moves past its oldest pages once they all did.
-        if seen is None or start < len(keys):
-            start = start if seen is not None else 0
-            seen = dict(seen) if seen else {}
-            for i in sampled[bisect.bisect_left(sampled, start):]:
-                at = pages.get(keys[i], -1) >> 1
-                if 0 <= at < lo:
-                    seen[i] = tree.suffix(at, clock)
-        c = self._c
-        if c is not None and type(keys) is list:
-            done = c.touch_overlap(pages, values, sums, fl, d, carry, wb[0], wb[1], keys,
-                                   sampled, ends, create, clock, lo, win, c1, thr, seen, force)
-            if done is not None:  # (None: the slots run out on the way; compacted below)
-                self._clock, added, self._lo, self._win = done
-                self._num_ends += added
-                if len(pages) - self._num_ends > self.max_tracked \
-                        or self._num_ends > self.max_tracked:
-                    self._lower_rate()
-                return
-        for i in reversed(sampled):
-            key = keys[i]
-            code = pages.get(key)
-            if code is None:
-                if not create:
-                    continue
-                is_end = 1 if ends is not None and i in ends else 0
-                self._num_ends += is_end
-                f = carry.get(key, 0) if carry else 0
-            else:
-                is_end = code & 1
-                slot = code >> 1
-                f = 0
-                if slot >= 0:
-                    v = wb[is_end]
-                    if slot >= lo:  # a hit in L1: its copy stays as it was
-                        f = fl[slot]
-                        win -= v
-                        for j in bits[f]:
-                            d[j] -= v
-                    else:
-                        dist = seen[i]
-                        for j, t in enumerate(thr):
-                            if dist <= t:
-                                f |= 1 << j
-                    fl[slot] = 0
-                    values[slot] -= v
-                    sums[slot >> _SHIFT] -= v
-            if clock >= self._slots:
-                if code is not None:  # off the stack while the slots are renumbered
-                    pages[key] = -2 | is_end
-                self._clock, self._lo, self._win = clock, lo, win
-                self._compact()
-                tree = self._tree
-                values, sums, wb, fl = tree.values, tree.sums, self._wb, self._fl
-                clock, lo, win = self._clock, self._lo, self._win
-            pages[key] = clock << 1 | is_end
-            f |= force
-            v = wb[is_end]
-            values[clock] = v  # slots at and past the clock are empty
-            sums[clock >> _SHIFT] += v
-            fl[clock] = f
-            win += v
-            for j in bits[f]:
-                d[j] += v
-            clock += 1
-        while win > c1 and lo < clock:  # the oldest of L1's window leave it
-            v = values[lo]
-            if v:
-                win -= v
-                for j in bits[fl[lo]]:
-                    d[j] -= v
-            lo += 1
-        self._clock, self._lo, self._win = clock, lo, win
-        if len(pages) - self._num_ends > self.max_tracked or self._num_ends > self.max_tracked:
-            self._lower_rate()
-
-    def _untrack(self, code: int, key: bytes) -> None:
-        """Take a tracked page off the stack (it becomes a checkpoint end, tracked anew by the
-        touch that follows, with the L2 copy bits it had)."""
-        if code >= 0:
-            slot = code >> 1
-            v = self._wb[code & 1]
-            if self._overlap:
-                f = 0
-                if slot >= self._lo:
-                    f = self._fl[slot]
-                    self._win -= v
-                    for j in self._bits[f]:
-                        self._d[j] -= v
-                else:
-                    dist = self._tree.suffix(slot, self._clock)
-                    for j, t in enumerate(self._thresholds()):
-                        if dist <= t:
-                            f |= 1 << j
-                self._fl[slot] = 0
-                self._carry[key] = f
-            self._tree.add(slot, -v)
-        self._num_ends -= code & 1
-
-    def _window(self) -> None:
-        """Find L1's window and its copy bytes afresh (slots renumbered or reweighed)."""
-        if not self._overlap:
-            return
-        values, fl, bits = self._tree.values, self._fl, self._bits
-        d = [0.0] * len(self._d)
-        win, lo = 0.0, self._clock
-        while lo > 0 and win + values[lo - 1] <= self._c1:
-            lo -= 1
-            v = values[lo]
-            win += v
-            for j in bits[fl[lo]]:
-                d[j] += v
-        self._lo, self._win, self._d = lo, win, d
-
     def _compact(self) -> None:
         """Renumber the live slots 0..n-1 in recency order, at the current weights (slots ran
         out, or a rate changed)."""
@@ -638,7 +476,7 @@ class Shadow:
         self._tree = _Slots(values)
         self._fl = fl
         self._clock = len(live)
-        self._window()
+        mrc_stack.window(self)
 
     def _reweigh(self) -> None:
         """Rebuild the slots at the current weights, keeping every page's slot: a rate
@@ -655,7 +493,7 @@ class Shadow:
                 fl[code >> 1] = old[code >> 1]
         self._tree = _Slots(values)
         self._fl = fl
-        self._window()
+        mrc_stack.window(self)
 
     def _lower_rate(self) -> None:
         """Halve a rate until at most ``max_tracked`` pages (and ends) are tracked
@@ -678,21 +516,7 @@ class Shadow:
 
     # ------------------------------------------------------------------ curves
     def _edges(self) -> list[float]:
-        """The byte sizes the curves are read at: every tier's ``above + m * C``."""
-        edges: set[float] = set()
-        above = 0
-        caps = [self.capacities[t] for t in ("l1", "l2", "l3") if t in self.capacities]
-        everything = sum(caps)
-        for cap in caps:
-            edges.update(above + m * cap for m in self.multiples)
-            edges.update(everything + (m - 1) * cap for m in self.multiples)  # totals
-            edges.add(above)
-            above += cap
-        return sorted(edges)
-
-    def _cum(self, hist: list[float], size: float) -> float:
-        """Weighted mass at distances <= ``size`` (``size`` is one of the edges)."""
-        return sum(hist[: bisect.bisect_left(self.edges, size) + 1])
+        return mrc_curves.edges(self.capacities, self.multiples)
 
     def curves(self) -> dict[str, object]:
         """Per tier: its bytes, the multiples, the estimated share of prompt tokens it would
@@ -700,48 +524,7 @@ class Shadow:
         the tiers below kept as they are), and per kind the share of referenced entries it
         would hold. Plus the sampling state."""
         self.drain()
-        tokens = self.tokens or 1
-        out: dict[str, object] = {}
-        above = 0
-        caps = [(t, self.capacities[t]) for t in ("l1", "l2", "l3") if t in self.capacities]
-        all_bytes = sum(c for _, c in caps)
-        hist = self._hist
-        for tier, cap in caps:
-            base = self._cum(hist, above)
-            hit, total, kinds = [], [], {}
-            for j, m in enumerate(self.multiples):
-                size = above + m * cap
-                everything = all_bytes + (m - 1) * cap
-                if self._overlap and tier == "l2":  # counted per multiple as they came
-                    hit.append(self._l2_hit[j] / tokens)
-                    below = self._cum(hist, everything) - self._cum(hist, size)  # L3's
-                    total.append((sum(hist) if self.unbounded_below else
-                                  self._cum(hist, above) + self._l2_hit[j] + below) / tokens)
-                    continue
-                hit.append((self._cum(hist, size) - base) / tokens)
-                if self.unbounded_below:
-                    total.append(sum(hist) / tokens)
-                elif self._overlap and tier == "l1":
-                    total.append(self._l1_total[j] / tokens)
-                else:
-                    total.append(self._cum(hist, everything) / tokens)
-            for kind in self.kinds:
-                refs = self._kind_refs[kind] or 1.0
-                if self._overlap and tier == "l2":
-                    kinds[kind] = [v / refs for v in self._l2_kind[kind]]
-                    continue
-                h = self._kind_hist[kind]
-                b = self._cum(h, above)
-                kinds[kind] = [(self._cum(h, above + m * cap) - b) / refs
-                               for m in self.multiples]
-            out[tier] = {"capacity_bytes": cap, "hit_rate": hit, "total_hit_rate": total,
-                         "entries": kinds}
-            above += cap
-        return {"multiples": list(self.multiples), "tiers": out,
-                "sampling": {"rate": self.rate, "end_rate": self.end_rate,
-                             "tracked_pages": len(self._pages) - self._num_ends,
-                             "tracked_ends": self._num_ends, "max_tracked": self.max_tracked,
-                             "requests": self.requests, "tokens": self.tokens}}
+        return mrc_curves.read(self)
 
 
 class NoShadow:
