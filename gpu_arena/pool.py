@@ -29,9 +29,9 @@ class Pool:
     # each time), and every take sorts or pops past them; a sweep stays amortised O(1) per
     # stale entry, as at least half of what it reads is stale.
     sweep_slack = 16
-    # Ids per call up to which binding and releasing loop over memoryviews of the tables, and
-    # past which they use numpy: a numpy call costs ~1 µs before it does anything, a memoryview
-    # item ~50 ns. A request's 24 blocks are below it, a bulk fill of thousands far above.
+    # Ids per call up to which binding and releasing run per-id loops (SlotLoops), and past
+    # which they use numpy: a numpy call costs ~1 µs before it does anything, a loop item ~50 ns
+    # in Python (a few ns compiled). A request's 24 blocks are below it, a bulk fill far above.
     small_batch = 64
     # The per-id loops: compiled where built (None), or as set (a test builds pools of both).
     compiled: bool | None = None
