@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:
-    from tierstore.mrc import Shadow
+# The functions here take a ``tierstore.mrc.Shadow`` (``s``), typed ``Any``: importing it, even
+# for typing only, would close an import circle (tests/test_imports.py).
+Shadow = Any
 
 SHIFT = 8
 BLOCK = 1 << SHIFT
