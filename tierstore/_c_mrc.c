@@ -347,6 +347,10 @@ static double item_double(PyObject *list, Py_ssize_t j) {
 // d[j] += v for each bit j of f (ascending, as the Python path's bit tuples)
 static int add_bits(PyObject *d, long long f, double v) {
     Py_ssize_t m = PyList_GET_SIZE(d);
+    if (f < 0) {
+        PyErr_SetString(PyExc_ValueError, "copy bits must be >= 0");
+        return -1;
+    }
     for (Py_ssize_t j = 0; f != 0; j++, f >>= 1) {
         if (!(f & 1)) continue;
         if (j >= m) {

@@ -107,3 +107,13 @@ def test_bad_input_is_refused() -> None:
     with pytest.raises(TypeError):
         _c.touch({key: 0}, bad, sums, 1.0, 2.0, [key], [0], None, True, 1)
     assert values == [0.0] * 512 and sums == [0.0, 0.0]  # refused before any change
+    fl, d = [0] * 512, [0.0, 0.0]
+    with pytest.raises(ValueError):  # negative copy bits (force) would never run out of bits
+        _c.touch_overlap({}, values, sums, fl, d, {}, 1.0, 2.0, [key], [0], None, True, 0, 0,
+                         0.0, 100.0, [0.0, 0.0], {}, -1)
+    with pytest.raises(ValueError):  # a bit past the multiples
+        _c.touch_overlap({}, values, sums, fl, d, {}, 1.0, 2.0, [key], [0], None, True, 0, 0,
+                         0.0, 100.0, [0.0, 0.0], {}, 4)
+    with pytest.raises(KeyError):  # a page below L1's window without its distance read
+        _c.touch_overlap({key: 0}, [1.0] + values[1:], [1.0, 0.0], fl, d, {}, 1.0, 2.0, [key],
+                         [0], None, False, 1, 1, 0.0, 100.0, [0.0, 0.0], {}, 0)
