@@ -20,6 +20,7 @@ typedef struct {
     PyObject_HEAD
     Py_buffer views[NTABLES];
     int held; /* tables whose buffer is held */
+    int busy; /* calls running: __init__ from their callbacks would free the tables under them */
     Py_ssize_t max_slots;
     int64_t *loc, *owner, *free_ids;
     int32_t *readers, *writers;
@@ -61,6 +62,10 @@ static int slotloops_init(PyObject *op, PyObject *args, PyObject *kwds) {
     PyObject *objs[NTABLES];
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOO:SlotLoops", kwlist, &objs[0], &objs[1],
                                      &objs[2], &objs[3], &objs[4])) {
+        return -1;
+    }
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "SlotLoops: __init__ while a call on it is running");
         return -1;
     }
     slotloops_release_views(self);
@@ -315,6 +320,14 @@ static PyObject *slotloops_take_bind(PyObject *op, PyObject *const *args, Py_ssi
         out = Py_BuildValue("(On)", Py_None, used);
         goto done;
     }
+    for (Py_ssize_t j = 0; j < (Py_ssize_t)n; j++) { /* an entry's __index__ may have run */
+        int64_t id = self->free_ids[top - 1 - j];
+        if (id < 0 || id >= self->max_slots) {
+            PyErr_Format(PyExc_ValueError, "take_bind: free id %lld outside [0, %zd)",
+                         (long long)id, self->max_slots);
+            goto done;
+        }
+    }
     ids = PyList_New((Py_ssize_t)n);
     if (ids == NULL) {
         goto done;
@@ -442,7 +455,7 @@ static PyObject *slotloops_release(PyObject *op, PyObject *const *args, Py_ssize
         return NULL;
     }
     Py_ssize_t n = PyList_GET_SIZE(list);
-    if (top < 0 || top + n > self->max_slots) {
+    if (top < 0 || top > self->max_slots - n) { /* (top + n could overflow) */
         PyErr_Format(PyExc_ValueError, "release: %zd ids onto a free stack of %lld (of %zd)",
                      n, (long long)top, self->max_slots);
         return NULL;
@@ -491,16 +504,31 @@ done:
     return out;
 }
 
+/* Each call holds the loops busy: a callback on the way (an item's __index__, a sort's __lt__)
+ * that calls __init__ is refused, instead of releasing the tables under the running loop. */
+#define GUARDED(name)                                                                         \
+    static PyObject *name##_guarded(PyObject *op, PyObject *const *args, Py_ssize_t nargs) { \
+        SlotLoops *self = (SlotLoops *)op;                                                    \
+        self->busy++;                                                                         \
+        PyObject *out = name(op, args, nargs);                                                \
+        self->busy--;                                                                         \
+        return out;                                                                           \
+    }
+GUARDED(slotloops_take)
+GUARDED(slotloops_take_bind)
+GUARDED(slotloops_bind)
+GUARDED(slotloops_release)
+
 static PyMethodDef slotloops_methods[] = {
-    {"take", (PyCFunction)(void (*)(void))slotloops_take, METH_FASTCALL,
+    {"take", (PyCFunction)(void (*)(void))slotloops_take_guarded, METH_FASTCALL,
      "take(entries, sign, lo, hi, n, fenced) -> (slots, used): sort the hole-heap keys and "
      "take off their front the first n holes of [lo, hi)."},
-    {"take_bind", (PyCFunction)(void (*)(void))slotloops_take_bind, METH_FASTCALL,
+    {"take_bind", (PyCFunction)(void (*)(void))slotloops_take_bind_guarded, METH_FASTCALL,
      "take_bind(entries, sign, lo, hi, n, fenced, top) -> (ids, used): take n holes and bind "
      "ids to them; ids is None (nothing bound) when fewer than n were found."},
-    {"bind", (PyCFunction)(void (*)(void))slotloops_bind, METH_FASTCALL,
+    {"bind", (PyCFunction)(void (*)(void))slotloops_bind_guarded, METH_FASTCALL,
      "bind(slots, top) -> ids: pop ids off the free stack and bind them to slots."},
-    {"release", (PyCFunction)(void (*)(void))slotloops_release, METH_FASTCALL,
+    {"release", (PyCFunction)(void (*)(void))slotloops_release_guarded, METH_FASTCALL,
      "release(ids, top, fenced, sign) -> (keys, pending, low, high): unbind live ids, push "
      "them on the free stack; their slots as hole-heap keys (sign * slot), how many a fence "
      "holds, the lowest and highest slot (-1 for none)."},

@@ -1,0 +1,127 @@
+"""The compiled modules against hostile input: callbacks (``__index__``, ``__eq__``,
+``__hash__``, ``__del__``) that change the lists, dicts and tables a C loop holds, and sizes
+that overflow. Each case runs in a child process, so a crash or a heap corruption fails the case
+(with the child's output) instead of the test run; a case expects a named exception, or a result
+the pure path would give, and never a crash."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tierstore.native import load
+
+ROOT = Path(__file__).resolve().parents[1]
+
+slots_c = load("gpu_arena._c_slots")
+ghost_c = load("tierstore._c_ghost")
+mrc_c = load("tierstore._c_mrc")
+chain_c = load("tierstore._c_chain")
+
+
+def _skip_unless(module: object, name: str) -> pytest.MarkDecorator:
+    return pytest.mark.skipif(module is None, reason=f"{name} not built or TIERSTORE_PURE_PYTHON=1")
+
+
+needs_slots = _skip_unless(slots_c, "gpu_arena._c_slots")
+needs_ghost = _skip_unless(ghost_c, "tierstore._c_ghost")
+needs_mrc = _skip_unless(mrc_c, "tierstore._c_mrc")
+needs_chain = _skip_unless(chain_c, "tierstore._c_chain")
+
+SLOTS_PRELUDE = """
+import numpy as np
+from gpu_arena._c_slots import SlotLoops
+
+def tables(n):
+    return (np.full(n, -1, np.int64), np.full(n, -1, np.int64), np.zeros(n, np.int32),
+            np.zeros(n, np.int32), np.arange(n, dtype=np.int64))
+"""
+
+
+def run_case(code: str, prelude: str = "") -> str:
+    """Run ``code`` in a child interpreter (this one's modules, sys.path and environment); its
+    stdout, after asserting it exited cleanly and printed ``OK`` last."""
+    src = textwrap.dedent(prelude) + textwrap.dedent(code) + "\nprint('OK')\n"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    proc = subprocess.run([sys.executable, "-X", "faulthandler", "-c", src], env=env,
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.rstrip().endswith("OK"), (
+        f"child exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\n"
+        f"stderr:\n{proc.stderr[-3000:]}")
+    return proc.stdout
+
+
+# --- gpu_arena._c_slots ----------------------------------------------------------------------
+
+
+@needs_slots
+def test_slots_release_top_overflow_is_refused() -> None:
+    """top + len(ids) past 2**63 wrapped and passed the bound check: the push wrote 8 bytes
+    before the free-id table."""
+    run_case("""
+        t = tables(8)
+        loops = SlotLoops(*t)
+        ids = loops.bind([3], 8)
+        before = [a.copy() for a in t]
+        for top in (2**63 - 1, 2**63 - 8):
+            try:
+                loops.release(ids, top, False, 1)
+            except ValueError:
+                pass
+            else:
+                raise SystemExit(f"release at top={top} was accepted")
+        assert all((a == b).all() for a, b in zip(t, before)), "a refused release changed a table"
+    """, SLOTS_PRELUDE)
+
+
+@needs_slots
+def test_slots_init_from_a_callback_is_refused() -> None:
+    """An id's __index__ that re-initialises the loops on tiny tables (dropping the old ones)
+    while bind runs: the loops must refuse, not write through the old sizes."""
+    run_case("""
+        t = tables(64)
+        loops = SlotLoops(*t)
+        del t
+
+        class Evil:
+            def __index__(self):
+                loops.__init__(*tables(1))
+                return 0
+
+        try:
+            loops.bind([Evil()], 64)
+        except (RuntimeError, TypeError):  # (the loops report a failed __index__ as TypeError)
+            pass
+        else:
+            raise SystemExit("bind went on after its tables were replaced")
+        assert loops.bind([1], 64) == [63], "the loops lost their tables to a callback"
+    """, SLOTS_PRELUDE)
+
+
+@needs_slots
+def test_slots_take_bind_rechecks_free_ids_after_callbacks() -> None:
+    """take_bind checked the free ids before sorting and reading entries (which may run an
+    entry's __index__); an id changed there was then used as an index into loc."""
+    run_case("""
+        t = tables(8)
+        loops = SlotLoops(*t)
+        loc, owner, free_ids = t[0], t[1], t[4]
+
+        class Evil:
+            def __index__(self):
+                free_ids[7] = 10**12
+                return 3
+
+        try:
+            loops.take_bind([Evil()], 1, 0, 8, 1, False, 8)
+        except ValueError:
+            pass
+        else:
+            raise SystemExit("take_bind bound a free id outside the table")
+        assert (loc == -1).all() and (owner == -1).all(), "a refused take_bind bound an id"
+    """, SLOTS_PRELUDE)
