@@ -125,3 +125,112 @@ def test_slots_take_bind_rechecks_free_ids_after_callbacks() -> None:
             raise SystemExit("take_bind bound a free id outside the table")
         assert (loc == -1).all() and (owner == -1).all(), "a refused take_bind bound an id"
     """, SLOTS_PRELUDE)
+
+
+# --- tierstore._c_mrc ------------------------------------------------------------------------
+
+MRC_PRELUDE = """
+from tierstore import _c_mrc as c
+
+def slots(n=512):
+    return [0.0] * n, [0.0] * ((n + 255) // 256)
+
+def refused(call, *args):
+    try:
+        call(*args)
+    except TypeError as exc:
+        return str(exc)
+    raise SystemExit(f"{call.__name__} accepted a hostile item")
+"""
+
+
+@needs_mrc
+def test_mrc_touch_page_code_with_index_is_refused() -> None:
+    """A page's code read with PyLong_AsLongLong ran its __index__, which emptied the slots;
+    the loop then wrote into the emptied list (a NULL item array: SIGSEGV)."""
+    run_case("""
+        values, sums = slots()
+
+        class Code:
+            def __index__(self):
+                values.clear()
+                return 200
+
+        pages = {b"k": Code()}
+        refused(c.touch, pages, values, sums, 1.0, 1.0, [b"k"], [0], None, True, 0)
+    """, MRC_PRELUDE)
+
+
+@needs_mrc
+def test_mrc_reference_position_with_hash_is_refused() -> None:
+    """A sampled position (an int subclass) whose __hash__ empties the slots when it is stored
+    in ``seen``: the next page's distance was summed over the freed item array."""
+    run_case("""
+        values, sums = [1.0] * 512, [256.0, 256.0]
+
+        class Pos(int):
+            def __hash__(self):
+                values.clear()
+                sums.clear()
+                return 0
+
+        pages = {b"a": 0, b"b": 2}
+        why = refused(c.reference, pages, values, sums, [b"a", b"b"], [Pos(0), 1], None, 5,
+                      10, [1.0, 100.0], [0.0, 0.0, 0.0], 1, 1.0, 1.0, [], [], {}, [], {})
+        assert "position" in why, why  # (not a read of freed items that happened to fail)
+    """, MRC_PRELUDE)
+
+
+@needs_mrc
+def test_mrc_reference_edge_with_float_is_refused() -> None:
+    """A histogram edge whose __float__ empties the slots (bisect ran it); the next page's
+    distance was then summed over the freed item array."""
+    run_case("""
+        values, sums = [1.0] * 512, [256.0, 256.0]
+
+        class Edge:
+            def __float__(self):
+                values.clear()
+                sums.clear()
+                return 1.0
+
+        pages = {b"a": 0, b"b": 2}
+        why = refused(c.reference, pages, values, sums, [b"a", b"b"], [0, 1], None, 5, 10,
+                      [Edge(), 100.0], [0.0, 0.0, 0.0], 1, 1.0, 1.0, [], [], {}, [], {})
+        assert "edge" in why, why  # (not a read of freed items that happened to fail)
+    """, MRC_PRELUDE)
+
+
+@needs_mrc
+def test_mrc_touch_replaced_slot_with_del_is_refused() -> None:
+    """The slot touch overwrites held an object whose __del__ emptied the sums; the loop then
+    added to a sum of the emptied list."""
+    run_case("""
+        values, sums = slots()
+
+        class Old:
+            def __del__(self):
+                sums.clear()
+
+        values[0] = Old()
+        refused(c.touch, {}, values, sums, 1.0, 1.0, [b"k"], [0], None, True, 0)
+    """, MRC_PRELUDE)
+
+
+@needs_mrc
+def test_mrc_touch_end_with_eq_is_refused() -> None:
+    """An end position whose __eq__ empties the sampled list while touch asks whether a new
+    page is an end: the loop then read the emptied list."""
+    run_case("""
+        values, sums = slots()
+        sampled = [0, 1]
+
+        class End(int):
+            def __eq__(self, other):
+                sampled.clear()
+                return False
+
+            __hash__ = int.__hash__
+
+        refused(c.touch, {}, values, sums, 1.0, 1.0, [b"a", b"b"], sampled, [End(5)], True, 0)
+    """, MRC_PRELUDE)

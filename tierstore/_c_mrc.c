@@ -29,6 +29,49 @@ static inline int end_sampled(PyObject *key, unsigned long long threshold) {
     return v < threshold;
 }
 
+// A list or dict item as a number: an exact float or int only. Converting any other object runs
+// its __float__ / __index__, which could change the lists these loops hold item pointers into.
+static int plain_double(PyObject *o, const char *what, double *out) {
+    if (PyFloat_CheckExact(o)) {
+        *out = PyFloat_AS_DOUBLE(o);
+        return 0;
+    }
+    if (!PyLong_CheckExact(o)) {
+        PyErr_Format(PyExc_TypeError, "%s must be floats or ints, got %.100s", what,
+                     Py_TYPE(o)->tp_name);
+        return -1;
+    }
+    *out = PyLong_AsDouble(o);
+    return *out == -1.0 && PyErr_Occurred() ? -1 : 0;
+}
+
+static int plain_ll(PyObject *o, const char *what, long long *out) {
+    if (!PyLong_CheckExact(o)) {
+        PyErr_Format(PyExc_TypeError, "%s must be ints, got %.100s", what, Py_TYPE(o)->tp_name);
+        return -1;
+    }
+    *out = PyLong_AsLongLong(o);
+    return *out == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
+// pos in list, for exact ints only: PySequence_Contains would run an item's __eq__.
+static int int_in(PyObject *list, PyObject *pos, const char *what) {
+    if (!PyLong_CheckExact(pos)) {
+        PyErr_Format(PyExc_TypeError, "%s positions must be ints", what);
+        return -1;
+    }
+    for (Py_ssize_t k = 0; k < PyList_GET_SIZE(list); k++) {
+        PyObject *item = PyList_GET_ITEM(list, k);
+        if (!PyLong_CheckExact(item)) {
+            PyErr_Format(PyExc_TypeError, "%s positions must be ints", what);
+            return -1;
+        }
+        int eq = PyObject_RichCompareBool(item, pos, Py_EQ);  // int == int: no Python code
+        if (eq != 0) return eq;
+    }
+    return 0;
+}
+
 static int check_keys(PyObject *keys) {
     if (!PyList_Check(keys) && !PyTuple_Check(keys)) {
         PyErr_SetString(PyExc_TypeError, "keys must be a list or tuple of bytes");
@@ -171,7 +214,7 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         Py_ssize_t nl = PyList_GET_SIZE(low);
         for (Py_ssize_t j = 0; j < nl; j++) {  // [i for i in low if i not in ends]
             PyObject *pos = PyList_GET_ITEM(low, j);
-            int in = PySequence_Contains(ends, pos);
+            int in = int_in(ends, pos, "end");
             if (in < 0) goto fail;
             if (!in && PyList_Append(sampled, pos) < 0) goto fail;
         }
@@ -229,8 +272,8 @@ static int slot_lists(PyObject *values, PyObject *sums) {
 
 // The slot of a tracked page code (slot << 1 | is_end), checked against the slots.
 static int code_of(PyObject *v, Py_ssize_t nslots, long long *code) {
-    long long c = PyLong_AsLongLong(v);
-    if (c == -1 && PyErr_Occurred()) return -1;
+    long long c;
+    if (plain_ll(v, "a page's code", &c) < 0) return -1;
     if ((c >> 1) >= nslots) {
         PyErr_SetString(PyExc_ValueError, "a page's slot is past the slots");
         return -1;
@@ -239,10 +282,17 @@ static int code_of(PyObject *v, Py_ssize_t nslots, long long *code) {
     return 0;
 }
 
+// list[i] = v, the old item an exact float (dropping another object could run its __del__).
 static int set_float(PyObject *list, Py_ssize_t i, double v) {
+    PyObject *old = PyList_GET_ITEM(list, i);
+    if (!PyFloat_CheckExact(old)) {
+        PyErr_SetString(PyExc_TypeError, "the slots and their sums must hold floats");
+        return -1;
+    }
     PyObject *f = PyFloat_FromDouble(v);
     if (f == NULL) return -1;
-    PyList_SET_ITEM(list, i, f);  // steals f; drops the old float below
+    PyList_SET_ITEM(list, i, f);  // steals f
+    Py_DECREF(old);
     return 0;
 }
 
@@ -260,13 +310,23 @@ static int add_float(PyObject *list, Py_ssize_t i, double delta) {
 }
 
 static Py_ssize_t pos_at(PyObject *list, Py_ssize_t j, Py_ssize_t n) {
-    Py_ssize_t i = PyLong_AsSsize_t(PyList_GET_ITEM(list, j));
+    PyObject *pos = PyList_GET_ITEM(list, j);
+    if (!PyLong_CheckExact(pos)) {  // (an int subclass's __hash__ / __eq__ would run below)
+        PyErr_SetString(PyExc_TypeError, "sampled positions must be ints");
+        return -1;
+    }
+    Py_ssize_t i = PyLong_AsSsize_t(pos);
     if (i < 0 || i >= n) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_IndexError, "a position is out of the keys");
         return -1;
     }
     return i;
 }
+
+// The loops' lists as long as when the call began (after a lookup that may have run Python).
+#define SAME_SIZES()                                                                         \
+    (PyList_GET_SIZE(values) == nslots && PyList_GET_SIZE(sums) == nsums                     \
+     && PyList_GET_SIZE(sampled) == ns && PySequence_Fast_GET_SIZE(keys) == n)
 
 // touch(pages, values, sums, wb_page, wb_end, keys, sampled, ends, create, clock)
 // -> (clock, ends added), or None when the slots would run out on the way (the caller's
@@ -296,52 +356,65 @@ static PyObject *touch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
         return NULL;
     }
     if (clock + ns > nslots) Py_RETURN_NONE;  // may compact on the way: Python's path
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys);
-    PyObject **items = PySequence_Fast_ITEMS(keys);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys), nsums = PyList_GET_SIZE(sums);
     Py_ssize_t added = 0;
+    PyObject *key = NULL;
     for (Py_ssize_t j = ns - 1; j >= 0; j--) {
+        // A key stored in pages may compare by Python code, which could change the lists: the
+        // key is held, and the lists' sizes checked after each lookup.
+        if (!SAME_SIZES()) goto changed;
         Py_ssize_t i = pos_at(sampled, j, n);
         if (i < 0) return NULL;
-        PyObject *key = items[i];
+        key = Py_NewRef(PySequence_Fast_ITEMS(keys)[i]);
         PyObject *cv = PyDict_GetItemWithError(pages, key);  // borrowed
         int is_end;
+        if (!SAME_SIZES()) goto changed;
         if (cv == NULL) {
-            if (PyErr_Occurred()) return NULL;
-            if (!create) continue;
+            if (PyErr_Occurred()) goto fail;
+            if (!create) {
+                Py_CLEAR(key);
+                continue;
+            }
             is_end = 0;
             if (ends != Py_None) {
                 PyObject *pos = PyList_GET_ITEM(sampled, j);
-                is_end = PySequence_Contains(ends, pos);
-                if (is_end < 0) return NULL;
+                is_end = int_in(ends, pos, "end");
+                if (is_end < 0) goto fail;
             }
             added += is_end;
         } else {
             long long code;
-            if (code_of(cv, nslots, &code) < 0) return NULL;
+            if (code_of(cv, nslots, &code) < 0) goto fail;
             is_end = (int)(code & 1);
             Py_ssize_t slot = (Py_ssize_t)(code >> 1);
             if (slot >= 0) {
                 if (add_float(values, slot, -wb[is_end]) < 0
                     || add_float(sums, slot >> SHIFT, -wb[is_end]) < 0)
-                    return NULL;
+                    goto fail;
             }
         }
         PyObject *nc = PyLong_FromSsize_t(clock << 1 | is_end);
-        if (nc == NULL) return NULL;
+        if (nc == NULL) goto fail;
         int rc = PyDict_SetItem(pages, key, nc);
         Py_DECREF(nc);
+        Py_CLEAR(key);
         if (rc < 0) return NULL;
-        PyObject *old = PyList_GET_ITEM(values, clock);
+        if (!SAME_SIZES()) goto changed;
         if (set_float(values, clock, wb[is_end]) < 0) return NULL;
-        Py_DECREF(old);
         if (add_float(sums, clock >> SHIFT, wb[is_end]) < 0) return NULL;
         clock++;
     }
     return Py_BuildValue("nn", clock, added);
+changed:
+    PyErr_SetString(PyExc_RuntimeError, "touch: the shadow's lists changed during the call");
+fail:
+    Py_XDECREF(key);
+    return NULL;
 }
 
 static double item_double(PyObject *list, Py_ssize_t j) {
-    return PyFloat_AsDouble(PyList_GET_ITEM(list, j));
+    double v;
+    return plain_double(PyList_GET_ITEM(list, j), "thresholds", &v) < 0 ? -1.0 : v;
 }
 
 // d[j] += v for each bit j of f (ascending, as the Python path's bit tuples)
@@ -363,9 +436,13 @@ static int add_bits(PyObject *d, long long f, double v) {
 }
 
 static int set_int(PyObject *list, Py_ssize_t i, long long v) {
+    PyObject *old = PyList_GET_ITEM(list, i);
+    if (!PyLong_CheckExact(old)) {  // (dropping another object could run its __del__)
+        PyErr_SetString(PyExc_TypeError, "the copy bits must be ints");
+        return -1;
+    }
     PyObject *o = PyLong_FromLongLong(v);
     if (o == NULL) return -1;
-    PyObject *old = PyList_GET_ITEM(list, i);
     PyList_SET_ITEM(list, i, o);
     Py_DECREF(old);
     return 0;
@@ -407,71 +484,88 @@ static PyObject *touch_overlap(PyObject *self, PyObject *const *args, Py_ssize_t
     }
     if (clock + ns > nslots) Py_RETURN_NONE;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(keys), nt = PyList_GET_SIZE(thr);
-    PyObject **items = PySequence_Fast_ITEMS(keys);
+    Py_ssize_t nsums = PyList_GET_SIZE(sums);
+    if (nt > 62) {  // (a copy bit per multiple in a long long)
+        PyErr_SetString(PyExc_ValueError, "at most 62 multiples");
+        return NULL;
+    }
     Py_ssize_t added = 0;
+    PyObject *key = NULL, *pos = NULL;
+    // A key stored in pages, carry or seen may compare by Python code, which could change the
+    // lists: the key and position are held, and the lists' sizes checked after each lookup.
+#define SAME_ALL() (SAME_SIZES() && PyList_GET_SIZE(fl) == nslots && PyList_GET_SIZE(thr) == nt)
     for (Py_ssize_t j = ns - 1; j >= 0; j--) {
+        if (!SAME_ALL()) goto changed;
         Py_ssize_t i = pos_at(sampled, j, n);
         if (i < 0) return NULL;
-        PyObject *key = items[i], *pos = PyList_GET_ITEM(sampled, j);
+        key = Py_NewRef(PySequence_Fast_ITEMS(keys)[i]);
+        pos = Py_NewRef(PyList_GET_ITEM(sampled, j));
         PyObject *cv = PyDict_GetItemWithError(pages, key);
         int is_end;
         long long f = 0;
+        if (!SAME_ALL()) goto changed;
         if (cv == NULL) {
-            if (PyErr_Occurred()) return NULL;
-            if (!create) continue;
+            if (PyErr_Occurred()) goto fail;
+            if (!create) {
+                Py_CLEAR(key);
+                Py_CLEAR(pos);
+                continue;
+            }
             is_end = 0;
             if (ends != Py_None) {
-                is_end = PySequence_Contains(ends, pos);
-                if (is_end < 0) return NULL;
+                is_end = int_in(ends, pos, "end");
+                if (is_end < 0) goto fail;
             }
             added += is_end;
             if (PyDict_GET_SIZE(carry)) {
                 PyObject *cf = PyDict_GetItemWithError(carry, key);
-                if (cf == NULL && PyErr_Occurred()) return NULL;
-                if (cf != NULL && (f = PyLong_AsLongLong(cf)) == -1 && PyErr_Occurred())
-                    return NULL;
+                if (cf == NULL && PyErr_Occurred()) goto fail;
+                if (cf != NULL && plain_ll(cf, "carried copy bits", &f) < 0) goto fail;
+                if (!SAME_ALL()) goto changed;
             }
         } else {
             long long code;
-            if (code_of(cv, nslots, &code) < 0) return NULL;
+            if (code_of(cv, nslots, &code) < 0) goto fail;
             is_end = (int)(code & 1);
             Py_ssize_t slot = (Py_ssize_t)(code >> 1);
             if (slot >= 0) {
                 double v = wb[is_end];
                 if (slot >= lo) {  // a hit in L1: its copy stays as it was
-                    f = PyLong_AsLongLong(PyList_GET_ITEM(fl, slot));
-                    if (f == -1 && PyErr_Occurred()) return NULL;
+                    if (plain_ll(PyList_GET_ITEM(fl, slot), "the copy bits", &f) < 0)
+                        goto fail;
                     win -= v;
-                    if (add_bits(d, f, -v) < 0) return NULL;
+                    if (add_bits(d, f, -v) < 0) goto fail;
                 } else {
                     PyObject *dv = PyDict_GetItemWithError(seen, pos);
                     if (dv == NULL) {
                         if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, pos);
-                        return NULL;
+                        goto fail;
                     }
-                    double dist = PyFloat_AsDouble(dv);
-                    if (dist == -1.0 && PyErr_Occurred()) return NULL;
+                    if (!SAME_ALL()) goto changed;
+                    double dist;
+                    if (plain_double(dv, "distances", &dist) < 0) goto fail;
                     for (Py_ssize_t k = 0; k < nt; k++) {
                         double t = item_double(thr, k);
-                        if (t == -1.0 && PyErr_Occurred()) return NULL;
+                        if (t == -1.0 && PyErr_Occurred()) goto fail;
                         if (dist <= t) f |= 1LL << k;
                     }
                 }
                 if (set_int(fl, slot, 0) < 0 || add_float(values, slot, -v) < 0
                     || add_float(sums, slot >> SHIFT, -v) < 0)
-                    return NULL;
+                    goto fail;
             }
         }
         PyObject *nc = PyLong_FromSsize_t(clock << 1 | is_end);
-        if (nc == NULL) return NULL;
+        if (nc == NULL) goto fail;
         int rc = PyDict_SetItem(pages, key, nc);
         Py_DECREF(nc);
+        Py_CLEAR(key);
+        Py_CLEAR(pos);
         if (rc < 0) return NULL;
+        if (!SAME_ALL()) goto changed;
         f |= force;
         double v = wb[is_end];
-        PyObject *old = PyList_GET_ITEM(values, clock);
         if (set_float(values, clock, v) < 0) return NULL;
-        Py_DECREF(old);
         if (add_float(sums, clock >> SHIFT, v) < 0 || set_int(fl, clock, f) < 0) return NULL;
         win += v;
         if (add_bits(d, f, v) < 0) return NULL;
@@ -486,19 +580,32 @@ static PyObject *touch_overlap(PyObject *self, PyObject *const *args, Py_ssize_t
         double v = PyFloat_AS_DOUBLE(vo);
         if (v != 0.0) {
             win -= v;
-            long long f = PyLong_AsLongLong(PyList_GET_ITEM(fl, lo));
-            if ((f == -1 && PyErr_Occurred()) || add_bits(d, f, -v) < 0) return NULL;
+            long long f;
+            if (plain_ll(PyList_GET_ITEM(fl, lo), "the copy bits", &f) < 0
+                || add_bits(d, f, -v) < 0)
+                return NULL;
         }
         lo++;
     }
     return Py_BuildValue("nnnd", clock, added, lo, win);
+changed:
+    PyErr_SetString(PyExc_RuntimeError,
+                    "touch_overlap: the shadow's lists changed during the call");
+fail:
+    Py_XDECREF(key);
+    Py_XDECREF(pos);
+    return NULL;
+#undef SAME_ALL
 }
 
+// bisect_left(list, x); an exception set (and the search stopped) on an item not a number.
 static Py_ssize_t bisect_left(PyObject *list, double x) {
     Py_ssize_t lo = 0, hi = PyList_GET_SIZE(list);
     while (lo < hi) {
         Py_ssize_t mid = (lo + hi) / 2;
-        if (PyFloat_AsDouble(PyList_GET_ITEM(list, mid)) < x) lo = mid + 1;
+        double v;
+        if (plain_double(PyList_GET_ITEM(list, mid), "histogram edges", &v) < 0) return lo;
+        if (v < x) lo = mid + 1;
         else hi = mid;
     }
     return lo;
@@ -532,7 +639,9 @@ static int count_kinds(PyObject *kinds, PyObject *refs, Py_ssize_t b, double wei
             if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, kind);
             return -1;
         }
-        PyObject *nr = PyFloat_FromDouble(PyFloat_AsDouble(r) + weight);
+        double had;
+        if (plain_double(r, "reference counts", &had) < 0) return -1;
+        PyObject *nr = PyFloat_FromDouble(had + weight);
         if (nr == NULL) return -1;
         int rc = PyDict_SetItem(refs, kind, nr);
         Py_DECREF(nr);
@@ -624,18 +733,25 @@ static PyObject *reference(PyObject *self, PyObject *const *args, Py_ssize_t nar
         PyErr_SetString(PyExc_ValueError, "the slots, their sums and the clock disagree");
         return NULL;
     }
-    PyObject **vals = PySequence_Fast_ITEMS(values), **sm = PySequence_Fast_ITEMS(sums);
+    Py_ssize_t nsums = PyList_GET_SIZE(sums);
     Py_ssize_t n = PySequence_Fast_GET_SIZE(keys), ns = PyList_GET_SIZE(sampled);
-    PyObject **items = PySequence_Fast_ITEMS(keys);
-    Py_ssize_t ne = ends == Py_None ? 0 : PyList_GET_SIZE(ends);
     for (Py_ssize_t j = 0; j < ns; j++) {
+        // A key stored in pages or seen may compare by Python code, which could change the
+        // lists: their items are read afresh after each lookup, and their sizes checked.
+        if (PySequence_Fast_GET_SIZE(keys) != n || PyList_GET_SIZE(sampled) != ns) goto changed;
         Py_ssize_t i = pos_at(sampled, j, n);
         if (i < 0) return NULL;
-        PyObject *cv = PyDict_GetItemWithError(pages, items[i]);
+        PyObject *key = Py_NewRef(PySequence_Fast_ITEMS(keys)[i]);
+        PyObject *cv = PyDict_GetItemWithError(pages, key);
+        Py_DECREF(key);
         if (cv == NULL) {
             if (PyErr_Occurred()) return NULL;
             continue;
         }
+        if (PyList_GET_SIZE(values) != nslots || PyList_GET_SIZE(sums) != nsums
+            || PyList_GET_SIZE(sampled) != ns)
+            goto changed;
+        PyObject **vals = PySequence_Fast_ITEMS(values), **sm = PySequence_Fast_ITEMS(sums);
         long long code;
         if (code_of(cv, nslots, &code) < 0) return NULL;
         if (code < 0) {
@@ -644,13 +760,13 @@ static PyObject *reference(PyObject *self, PyObject *const *args, Py_ssize_t nar
         }
         double dist;
         if (suffix(vals, sm, (Py_ssize_t)(code >> 1), clock, &dist) < 0) return NULL;
-        PyObject *pos = PyList_GET_ITEM(sampled, j);
+        PyObject *pos = Py_NewRef(PyList_GET_ITEM(sampled, j));  // held over seen's lookup
         PyObject *d = PyFloat_FromDouble(dist);
-        if (d == NULL) return NULL;
-        int rc = PyDict_SetItem(seen, pos, d);
-        Py_DECREF(d);
+        int rc = d == NULL ? -1 : PyDict_SetItem(seen, pos, d);
+        Py_XDECREF(d);
+        if (rc == 0 && i <= last) rc = PyList_Append(touched, pos);
+        Py_DECREF(pos);
         if (rc < 0) return NULL;
-        if (i <= last && PyList_Append(touched, pos) < 0) return NULL;
         Py_ssize_t b = bisect_left(edges, dist);
         if (PyErr_Occurred()) return NULL;
         double weight, hit;
@@ -660,7 +776,7 @@ static PyObject *reference(PyObject *self, PyObject *const *args, Py_ssize_t nar
             hit = (double)page * weight;
             kinds = page_kinds;
         } else {
-            Py_ssize_t lo = 0, hi = ne;  // bisect_left(ends, i)
+            Py_ssize_t ne = PyList_GET_SIZE(ends), lo = 0, hi = ne;  // bisect_left(ends, i)
             while (lo < hi) {
                 Py_ssize_t mid = (lo + hi) / 2;
                 Py_ssize_t e = PyLong_AsSsize_t(PyList_GET_ITEM(ends, mid));
@@ -671,10 +787,12 @@ static PyObject *reference(PyObject *self, PyObject *const *args, Py_ssize_t nar
             Py_ssize_t at = lo < ne ? PyLong_AsSsize_t(PyList_GET_ITEM(ends, lo)) : -1;
             if (lo < ne && at == i) {
                 Py_ssize_t prev = lo ? PyLong_AsSsize_t(PyList_GET_ITEM(ends, lo - 1)) + 1 : 0;
+                if (PyErr_Occurred()) return NULL;
                 weight = w_end;
                 hit = (double)((long long)(i + 1 - prev) * page) * weight;
                 kinds = end_kinds;
             } else {
+                if (PyErr_Occurred()) return NULL;
                 weight = w_page;
                 hit = 0.0;
                 kinds = page_kinds;
@@ -686,6 +804,9 @@ static PyObject *reference(PyObject *self, PyObject *const *args, Py_ssize_t nar
             return NULL;
     }
     Py_RETURN_NONE;
+changed:
+    PyErr_SetString(PyExc_RuntimeError, "reference: the shadow's lists changed during the call");
+    return NULL;
 }
 
 // suffix_of(values, sums, i, end): _Slots.suffix (for tests and the Python path's reads).
