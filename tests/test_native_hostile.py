@@ -234,3 +234,38 @@ def test_mrc_touch_end_with_eq_is_refused() -> None:
 
         refused(c.touch, {}, values, sums, 1.0, 1.0, [b"a", b"b"], sampled, [End(5)], True, 0)
     """, MRC_PRELUDE)
+
+
+# --- tierstore._c_ghost ----------------------------------------------------------------------
+
+
+@needs_ghost
+def test_ghost_tally_holds_the_count_over_a_key_hash() -> None:
+    """tally's slot lookup hashes the key (Python code for a non-str key); a __hash__ that
+    empties the counts dict freed the count still borrowed from it, which was then added (a
+    use-after-free: the sum read whatever reused the memory)."""
+    run_case("""
+        from tierstore._c_ghost import tally
+
+        armed = False
+        junk = []
+
+        class Reason:
+            def __hash__(self):
+                if armed:
+                    counts.clear()  # drops the only reference to the count
+                    junk.extend(int("8" * 31) + i for i in range(64))  # reuses its memory
+                return 1
+
+        reason = Reason()
+        counts = {reason: int("9" * 31)}  # (made at run time: no constant holds it)
+        c, lost_slots = [0] * 8, {reason: 3}
+        armed = True
+        try:
+            tally(lost_slots, {}, c, {}, counts, {})
+        except RuntimeError:  # (a dict changed during the tally may be refused)
+            pass
+        churn = [int("7" * 31) + i for i in range(256)] + [b"x" * (i % 64) for i in range(256)]
+        got = c[3]  # (a dangling item reads as whatever reused its memory)
+        assert got == 0 or (type(got) is int and got == int("9" * 31)), f"freed memory: {got!r}"
+    """)

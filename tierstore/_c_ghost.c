@@ -386,6 +386,38 @@ static PyTypeObject GhostType = {
     .tp_as_sequence = &Ghost_as_sequence,
 };
 
+// c[slot] += n for one (key, n) of `counts` (see add_into).
+static int add_one(PyObject *c, PyObject *slots, PyObject *key, PyObject *n) {
+    PyObject *slot = key;
+    if (slots != Py_None) {
+        slot = PyDict_GetItemWithError(slots, key);
+        if (slot == NULL) {
+            if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, key);
+            return -1;
+        }
+    }
+    Py_ssize_t i = PyNumber_AsSsize_t(slot, PyExc_IndexError);
+    if (i == -1 && PyErr_Occurred()) return -1;
+    if (i < 0 || i >= PyList_GET_SIZE(c)) {
+        PyErr_Format(PyExc_IndexError, "slot %zd out of range [0, %zd)", i, PyList_GET_SIZE(c));
+        return -1;
+    }
+    // Held while adding: a non-int's __add__ could change the dict or the list.
+    PyObject *had = Py_NewRef(PyList_GET_ITEM(c, i));
+    PyObject *sum = PyNumber_Add(had, n);
+    Py_DECREF(had);
+    if (sum == NULL) return -1;
+    if (i >= PyList_GET_SIZE(c)) {
+        Py_DECREF(sum);
+        PyErr_SetString(PyExc_RuntimeError, "counts list changed size during tally");
+        return -1;
+    }
+    PyObject *old = PyList_GET_ITEM(c, i);
+    PyList_SET_ITEM(c, i, sum);
+    Py_DECREF(old);
+    return 0;
+}
+
 // c[slot] += n for each (key, n) of `counts`, the slot being `slots[key]`, or the key itself
 // when `slots` is None. Updates in the dict's order and stops at the first bad item, as the
 // pure path's loop does.
@@ -395,39 +427,21 @@ static int add_into(PyObject *c, PyObject *slots, PyObject *counts) {
                      Py_TYPE(counts)->tp_name);
         return -1;
     }
-    Py_ssize_t pos = 0;
+    Py_ssize_t pos = 0, size = PyDict_GET_SIZE(counts);
     PyObject *key, *n;
     while (PyDict_Next(counts, &pos, &key, &n)) {
-        PyObject *slot = key;
-        if (slots != Py_None) {
-            slot = PyDict_GetItemWithError(slots, key);
-            if (slot == NULL) {
-                if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, key);
-                return -1;
-            }
-        }
-        Py_ssize_t i = PyNumber_AsSsize_t(slot, PyExc_IndexError);
-        if (i == -1 && PyErr_Occurred()) return -1;
-        if (i < 0 || i >= PyList_GET_SIZE(c)) {
-            PyErr_Format(PyExc_IndexError, "slot %zd out of range [0, %zd)", i,
-                         PyList_GET_SIZE(c));
-            return -1;
-        }
-        // Held while adding: a non-int's __add__ could change the dict or the list.
-        PyObject *had = Py_NewRef(PyList_GET_ITEM(c, i));
+        // Both held for the step: the slot lookup (a key's __hash__ / __eq__) or a slot's
+        // __index__ may change the dict, which would free what it lent.
+        Py_INCREF(key);
         Py_INCREF(n);
-        PyObject *sum = PyNumber_Add(had, n);
+        int rc = add_one(c, slots, key, n);
         Py_DECREF(n);
-        Py_DECREF(had);
-        if (sum == NULL) return -1;
-        if (i >= PyList_GET_SIZE(c)) {
-            Py_DECREF(sum);
-            PyErr_SetString(PyExc_RuntimeError, "counts list changed size during tally");
+        Py_DECREF(key);
+        if (rc < 0) return -1;
+        if (PyDict_GET_SIZE(counts) != size) {  // as the pure loop's next step would say
+            PyErr_SetString(PyExc_RuntimeError, "counts dict changed size during tally");
             return -1;
         }
-        PyObject *old = PyList_GET_ITEM(c, i);
-        PyList_SET_ITEM(c, i, sum);
-        Py_DECREF(old);
     }
     return 0;
 }
