@@ -103,8 +103,9 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def start_service(redis_server: RedisServer, port: int | None = None,
-                  token: str | None = None) -> RunningService:
-    config = ServiceConfig(port=port or free_port(), auth_token=token, kv_host_bytes=1 << 20)
+                  token: str | None = None, max_batch: int = 4096) -> RunningService:
+    config = ServiceConfig(port=port or free_port(), auth_token=token, kv_host_bytes=1 << 20,
+                           max_batch=max_batch)
     store = TierStore(tiny_layout(page_size=PAGE), StoreConfig(capacity_bytes=1 << 20))
     kv_remote = RemoteTierConfig(url=redis_server.url, key_prefix="sgl")
     return RunningService(store, config, kv_remote).start()
@@ -528,6 +529,61 @@ def test_pages_larger_than_host_memory_go_over_http(make_backend: Factory) -> No
     assert backend.transport == "shm" and backend.batch_set(key, [big])
     got = backend.batch_get(key, [torch.empty_like(big)])
     assert got[0] is not None and same_bytes(got[0], big)
+
+
+# ------------------------------------------------------------------ the service's batch limit
+def check_small_batches(backend: Any, prefix: str, seed: int) -> None:
+    """Batches of 11 pages (more than the service's 4 keys a request) through every call:
+    per-key results in order, a missing page answered as missing where it is."""
+    keys, data = page_keys(prefix, 11), pages(11, seed=seed)
+    assert backend.batch_set(keys[:6] + keys[7:], data[:6] + data[7:])  # no page 6
+    assert backend.batch_exists(keys) == 6 and backend.batch_exists(keys[7:]) == 4
+    got = backend.batch_get(keys)
+    assert got[6] is None
+    assert all(g is not None and same_bytes(g, d)
+               for i, (g, d) in enumerate(zip(got, data, strict=True)) if i != 6)
+    pool = KVHostPool(slots=128)
+    backend.register_mem_pool_host(pool)
+    pool.fill_random(seed)
+    v1_keys = page_keys(f"{prefix}-v1", 9)
+    expected = [pool.get_data_page(i * PAGE).clone() for i in range(9)]
+    assert backend.batch_set_v1(v1_keys, torch.arange(9 * PAGE)) == [True] * 9
+    assert backend.batch_exists(v1_keys) == 9
+    asked = v1_keys[:5] + ["0" * 64] + v1_keys[5:]
+    assert backend.batch_get_v1(asked, torch.arange(40, 80)) == [i != 5 for i in range(10)]
+    slots = [40 + PAGE * i for i in range(10) if i != 5]
+    assert all(same_bytes(pool.get_data_page(s), e) for s, e in zip(slots, expected, strict=True))
+    assert backend.clear() is True and backend.batch_exists(keys + v1_keys) == 0
+
+
+def test_a_service_with_a_small_max_batch_takes_every_batch(
+        make_backend: Factory, redis_server: RedisServer) -> None:
+    """A service that takes 4 keys a request, an adapter that sends up to 512: it learns the
+    limit (/v1/stats, or the attach answer) and splits every call to it (they were 413s,
+    so every batch failed and read as missing)."""
+    small = start_service(redis_server, max_batch=4)
+    try:
+        check_small_batches(make_backend(url=small.url), "small", seed=16)
+    finally:
+        small.stop()
+
+
+def test_a_restart_with_a_smaller_max_batch_fails_no_batch(
+        make_backend: Factory, redis_server: RedisServer,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The service restarts taking 4 keys a request where it took 4096: the first batch
+    past 4 is refused (413, naming the limit), resent in parts of 4, and succeeds."""
+    first = start_service(redis_server)
+    backend = make_backend(url=first.url)
+    assert backend.batch_set(page_keys("before", 6), pages(6, seed=17))
+    first.stop()
+    second = start_service(redis_server, max_batch=4, port=first.config.port)
+    try:
+        check_small_batches(backend, "restart", seed=18)
+        refused = [r for r in caplog.records if "refused 10 keys" in r.getMessage()]
+        assert refused, "the limit was not re-learned"
+    finally:
+        second.stop()
 
 
 # ------------------------------------------------------------------ bench

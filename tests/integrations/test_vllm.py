@@ -532,7 +532,7 @@ def test_a_service_with_a_small_max_batch_fails_no_job(
     try:
         writer = engines(running.url)
         reader = engines(running.url, load_threads=2)
-        assert reader.tier._io.config.max_batch == 4
+        assert reader.tier._io.max_batch == 4
         keys = keys_of("small-batch", 24)
         blocks = random_blocks(keys, seed=21)
         writer.store(blocks)  # one store job of 24 blocks
@@ -552,6 +552,62 @@ def test_a_service_with_a_small_max_batch_fails_no_job(
             time.sleep(0.01)
     finally:
         running.stop()
+
+
+def store_probe_and_load(writer: Engine, reader: Engine, prefix: str, seed: int) -> None:
+    """24 blocks stored as one job, probed, loaded as jobs of 6: every job succeeds (none is
+    the job a 413 failed), byte-exact."""
+    keys = keys_of(prefix, 24)
+    blocks = random_blocks(keys, seed=seed)
+    writer.manager.get_stats()  # the counters start from here
+    writer.store(blocks)
+    stats = writer.manager.get_stats().data["data"]
+    assert stats[tier_metrics.BLOCKS] == {("store", "ok"): 24}
+    assert reader.lookup(keys) == [LookupResult.HIT] * 24
+    reader.rows[0:24] = 0
+    jobs = load_jobs(keys, 6, 0, 400)
+    for job in jobs:
+        reader.tier.submit_load(job)
+    results = finished(reader.tier, len(jobs))
+    assert all(r.success for r in results.values())
+    assert [reader.rows[i].tobytes() for i in range(24)] == [blocks[k] for k in keys]
+
+
+def test_a_restart_with_a_smaller_max_batch_fails_no_job(
+        redis_server: RedisServer, engines: Callable[..., Engine],
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The service restarts taking 4 keys a request where it took 4096, unseen by tiers
+    that learned 4096: the first request past 4 is refused (413, naming the limit) and
+    resent in parts of 4, so its job succeeds, as every later one."""
+    redis_server.command("FLUSHALL")
+    port = free_port()
+    first = start_service(redis_server, port)
+    writer, reader = engines(first.url), engines(first.url, load_threads=2)
+    assert (writer.tier._io.max_batch, reader.tier._io.max_batch) == (256, 256)
+    first.stop()
+    second = start_service(redis_server, port, max_batch=4)
+    try:
+        store_probe_and_load(writer, reader, "restart-small", seed=22)
+        assert (writer.tier._io.max_batch, reader.tier._io.max_batch) == (4, 4)
+        assert any("keys in one request" in r.getMessage() for r in caplog.records)
+    finally:
+        second.stop()
+
+
+def test_a_tier_started_before_its_service_learns_its_max_batch(
+        redis_server: RedisServer, engines: Callable[..., Engine]) -> None:
+    """Nothing answers when the tiers start; then a service taking 4 keys a request does:
+    they learn its limit on the first call that reaches it, and no job fails."""
+    redis_server.command("FLUSHALL")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    writer, reader = engines(url), engines(url, load_threads=2)
+    late = start_service(redis_server, port, max_batch=4)
+    try:
+        store_probe_and_load(writer, reader, "late-small", seed=23)
+        assert (writer.tier._io.max_batch, reader.tier._io.max_batch) == (4, 4)
+    finally:
+        late.stop()
 
 
 def test_a_restart_mid_batch_fails_the_jobs_it_cut_never_wrong_bytes(

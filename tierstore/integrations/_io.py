@@ -9,10 +9,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import re
 import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import aiohttp
@@ -36,6 +37,13 @@ Take = Callable[[int, torch.Tensor], bool]
 Fill = Callable[[int, torch.Tensor], None]
 Blob = Callable[[int], Any]
 _UNBOUNDED = 1 << 62
+# The limit a 413 ``batch_too_large`` names: "... exceed the limit of 4", or msgpack's
+# "9 exceeds max_array_len(4)" when the service refused the body as it arrived.
+_NAMED_LIMIT = re.compile(r"(?:limit of |max_array_len\()(\d+)")
+
+
+class _Smaller(Exception):
+    """A request carried more keys than the service takes; its limit is now known: split."""
 
 with warnings.catch_warnings():
     # torch warns once per process that a tensor over read-only bytes is writable; values are
@@ -58,11 +66,98 @@ class ServiceIO:
         self._shm: SharedMemoryTransport | None = None
         self._shm_retry_at = 0.0
         self._shm_backoff_s = 0.0
+        # The most keys the service takes in one request (None: not known), asked again on
+        # reconnect (a restarted service may take fewer) and lowered by a 413 that names it.
+        self._service_limit: int | None = None
+        self._limit_stale = True
         self.client = Client(config.url, token=config.auth_token, timeout_s=config.timeout_s,
                              retries=config.retries)
         self.reachable = self.client.health()
         if self.reachable:
             self.transport()
+            self._learn_limit()
+
+    # ------------------------------------------------------------------ batch limit
+    @property
+    def max_batch(self) -> int:
+        """Keys one request carries: ``config.max_batch``, within the service's own limit
+        (asked first when unknown, or after a reconnect, unless the service is down)."""
+        return self.within(self.config.max_batch)
+
+    def within(self, items: int) -> int:
+        """``items``, or fewer where the service takes fewer keys per request."""
+        if self._limit_stale and time.monotonic() >= self._down_until:
+            self._learn_limit()
+        limit = self._service_limit
+        return items if limit is None else min(items, limit)
+
+    def _learn_limit(self) -> None:
+        """Ask the service its batch limit: the shared-memory attach answer, else
+        ``/v1/stats`` (``service.limits.max_batch``). Asked once per (re)connection: a
+        service that cannot say is asked again after it was down, or told by a 413."""
+        self._limit_stale = False
+        shm = self._shm
+        limit = shm.max_batch if shm is not None else None
+        if limit is None:
+            stats = self.request(None, self.client.stats)
+            found = (stats or {}).get("service", {}).get("limits", {}).get("max_batch")
+            limit = found if isinstance(found, int) and found > 0 else None
+            self._limit_stale = False  # this very answer may have been the reconnect
+        if limit is None:
+            return
+        if limit != self._service_limit:
+            log.info("tierstore: the service at %s takes %d keys per request",
+                     self.config.url, limit)
+        self._service_limit = limit
+
+    def _lower_limit(self, exc: ServiceError, sent: int) -> bool:
+        """After a 413 for ``sent`` keys: adopt the limit it names (else the one the service
+        states, else half of ``sent``); False when ``sent`` cannot shrink (one key)."""
+        named = _NAMED_LIMIT.search(exc.detail)
+        limit = int(named.group(1)) if named else None
+        if limit is None or not 0 < limit < sent:
+            self._learn_limit()
+            limit = self._service_limit
+        if limit is None or not 0 < limit < sent:
+            limit = sent // 2  # it says nothing usable: halve, which always ends
+        if limit < 1:
+            return False
+        with self._lock:
+            self._service_limit = min(limit, self._service_limit or limit)
+            self._limit_stale = False
+        self._log.warning("tierstore: the service at %s refused %d keys in one request (%s); "
+                          "sending %d per request", self.config.url, sent, exc.detail[:120],
+                          self._service_limit)
+        return True
+
+    def _parts(self, sizes: Sequence[int], max_bytes: int, fn: Callable[[slice], T],
+               items: int | None = None) -> Iterator[tuple[slice, T | None]]:
+        """``fn(part)`` through ``request`` for consecutive parts of at most ``items`` (default
+        ``max_batch``; fewer where the service takes fewer) and beyond one item, ``max_bytes``
+        of ``sizes``, in order; None for a part that failed. A 413 that shows the service
+        takes fewer keys re-splits that part and the rest (the refused request changed
+        nothing)."""
+        start = 0
+        while start < len(sizes):
+            cap = self.within(items or self.config.max_batch)
+            first = next(_chunks(sizes[start:], cap, max_bytes))
+            part = slice(start, start + first.stop)
+            try:
+                result = self.request(None, functools.partial(self._sized, fn, part))
+            except _Smaller:
+                continue
+            yield part, result
+            start = part.stop
+
+    def _sized(self, fn: Callable[[slice], T], part: slice) -> T:
+        try:
+            return fn(part)
+        except ServiceError as exc:
+            sent = part.stop - part.start
+            if exc.status == 413 and exc.error == "batch_too_large" and \
+                    self._lower_limit(exc, sent):
+                raise _Smaller from exc
+            raise
 
     # ------------------------------------------------------------------ transport choice
     @property
@@ -97,18 +192,27 @@ class ServiceIO:
                         log.info("tierstore HiCache L3: HTTP transport (%s)", exc)
             return self._shm
 
-    def _over_shm(self, shm: SharedMemoryTransport, fn: Callable[[], T]) -> T:
-        """``fn()``; a segment the service no longer serves (it restarted) drops the mapping
-        and answers ``_HTTP`` (the next call attaches again)."""
+    def _over_shm(self, shm: SharedMemoryTransport, fn: Callable[[], T], sent: int) -> T:
+        """``fn()`` for ``sent`` keys; a segment the service no longer serves (it restarted),
+        or a 413 for more keys than the service now takes (it restarted with a lower
+        ``--max-batch`` than the mapping was told), drops the mapping and answers ``_HTTP``
+        (the next call attaches again, and learns the limit anew)."""
         try:
             return fn()
         except SegmentChanged as exc:
-            with self._lock:
-                if self._shm is shm:
-                    self._shm, self._shm_retry_at = None, 0.0
-            shm.close()
-            log.info("tierstore HiCache L3: %s", exc)
-            return _HTTP
+            reason = str(exc)
+            self._limit_stale = True  # a new service: its limit may differ, ask it again
+        except ServiceError as exc:
+            if not (exc.status == 413 and exc.error == "batch_too_large" and
+                    self._lower_limit(exc, sent)):
+                raise
+            reason = f"the segment's batch limit is stale ({exc.detail[:120]})"
+        with self._lock:
+            if self._shm is shm:
+                self._shm, self._shm_retry_at = None, 0.0
+        shm.close()
+        log.info("tierstore HiCache L3: %s", reason)
+        return _HTTP
 
     # ------------------------------------------------------------------ guarded requests
     def request(self, default: T, fn: Callable[[], T]) -> T:
@@ -135,7 +239,7 @@ class ServiceIO:
             return default
         if self._down:
             with self._lock:
-                self._down = False
+                self._down, self._limit_stale = False, True  # it may have restarted
             log.info("tierstore service at %s reachable again", self.config.url)
         return result
 
@@ -151,28 +255,33 @@ class ServiceIO:
     def count(self, ns: str, keys: Sequence[str]) -> int:
         """How many of ``keys``, from the first, the service holds (0 when unreachable)."""
         total = 0
-        for part in _chunks([0] * len(keys), self.config.max_batch, 1):
-            chunk = list(keys[part])
-            found = self.request(0, functools.partial(self.client.batch_exists, chunk, ns))
-            total += found
-            if found < len(chunk):
+        for part, found in self._parts([0] * len(keys), 1, lambda part: self.client.batch_exists(
+                keys[part], ns)):
+            total += found or 0
+            if (found or 0) < part.stop - part.start:
                 break
         return total
 
     def present(self, ns: str, keys: Sequence[str]) -> list[bool]:
         """Whether the service holds each key (absent where a request failed)."""
-        out: list[bool] = []
-        for part in _chunks([0] * len(keys), self.config.max_batch, 1):
-            chunk = list(keys[part])
-            got = self.request(None, functools.partial(self.client.exists_each, chunk, ns))
-            out += got if got is not None and len(got) == len(chunk) else [False] * len(chunk)
+        return [bool(v) for v in self.exists_each(ns, keys)]
+
+    def exists_each(self, ns: str, keys: Sequence[str], batch: int | None = None
+                    ) -> list[bool | None]:
+        """Per key whether the service holds it; None where its request failed. Requests of
+        ``batch`` keys (default ``max_batch``; fewer where the service takes fewer)."""
+        out: list[bool | None] = []
+        for part, got in self._parts([0] * len(keys), 1, lambda part: self.client.exists_each(
+                keys[part], ns), batch):
+            n = part.stop - part.start
+            out += [bool(v) for v in got] if got is not None and len(got) == n else [None] * n
         return out
 
     def delete(self, ns: str, keys: Sequence[str]) -> bool:
         """Delete ``keys``; False when a request failed."""
         ok = True
-        for part in _chunks([0] * len(keys), self.config.max_batch, 1):
-            deleted = self.request(None, functools.partial(self.client.delete, keys[part], ns))
+        for _, deleted in self._parts([0] * len(keys), 1,
+                                      lambda part: self.client.delete(keys[part], ns)):
             ok = ok and deleted is not None
         return ok
 
@@ -184,27 +293,36 @@ class ServiceIO:
         ``max_request_bytes`` of expected ``sizes``)."""
         done = [False] * len(keys)
         shm = self.transport()
-        for part in _chunks(sizes, self.config.max_batch,
-                            _UNBOUNDED if shm is not None else self.config.max_request_bytes):
+        if shm is None:
+            self._read_http(ns, keys, sizes, take, done, slice(0, len(keys)))
+            return done
+        for part in _chunks(sizes, self.max_batch, _UNBOUNDED):
             chunk, base = list(keys[part]), part.start
 
             def at(j: int, view: torch.Tensor, base: int = base) -> bool:
                 return take(base + j, view)
 
-            if shm is not None:
-                got = self.request(None, functools.partial(
-                    self._over_shm, shm, functools.partial(shm.get_into, chunk, ns, at)))
-                if got is not _HTTP:
-                    if got is not None:
-                        done[part] = got
-                    continue
-            values = self.request(None, functools.partial(self.client.batch_get, chunk, ns))
-            if values is None or len(values) != len(chunk):
-                continue
-            for j, value in enumerate(values):
-                if value is not None:
-                    done[base + j] = at(j, _tensor_of(value))
+            got = self.request(None, functools.partial(
+                self._over_shm, shm, functools.partial(shm.get_into, chunk, ns, at),
+                len(chunk)))
+            if got is _HTTP:
+                self._read_http(ns, keys, sizes, take, done, part)
+            elif got is not None:
+                done[part] = got
         return done
+
+    def _read_http(self, ns: str, keys: Sequence[str], sizes: Sequence[int], take: Take,
+                   done: list[bool], span: slice) -> None:
+        """Over HTTP, ``take`` each key of ``span`` found, marking it in ``done``."""
+        lo = span.start
+        for part, values in self._parts(sizes[span], self.config.max_request_bytes,
+                                        lambda part: self.client.batch_get(
+                                            keys[lo + part.start:lo + part.stop], ns)):
+            if values is None or len(values) != part.stop - part.start:
+                continue
+            for j, value in enumerate(values, lo + part.start):
+                if value is not None:
+                    done[j] = take(j, _tensor_of(value))
 
     def write(self, ns: str, keys: Sequence[str], sizes: Sequence[int], fill: Fill,
               blob: Blob) -> list[bool]:
@@ -213,38 +331,47 @@ class ServiceIO:
         value host memory cannot take) ``blob(i)`` gives its bytes. Per key whether the service
         holds it now. With ``skip_existing`` leading keys already stored are not sent."""
         done = self.count(ns, keys) if self.config.skip_existing else 0
-        stored = [True] * done
         keys, sizes = list(keys[done:]), list(sizes[done:])
+        acked = [False] * len(keys)
         shm = self.transport()
-        for part in _chunks(sizes, self.config.max_batch,
-                            _UNBOUNDED if shm is not None else self.config.max_request_bytes):
-            chunk, base = keys[part], done + part.start
-            acked: list[bool] | None = None
-            if shm is not None:
-                def at(j: int, view: torch.Tensor, base: int = base) -> None:
-                    fill(base + j, view)
+        if shm is None:
+            self._write_http(ns, keys, sizes, blob, acked, list(range(len(keys))), done)
+            return [True] * done + acked
+        for part in _chunks(sizes, self.max_batch, _UNBOUNDED):
+            base = done + part.start
 
-                got = self.request(None, functools.partial(
-                    self._over_shm, shm,
-                    functools.partial(shm.put_from, chunk, sizes[part], ns, at)))
-                if got is None:
-                    stored.extend([False] * len(chunk))
-                    continue
-                acked = None if got is _HTTP else got
-            todo = [j for j in range(len(chunk)) if acked is None or not acked[j]]
-            for sub in _chunks([sizes[part][j] for j in todo], self.config.max_batch,
-                               self.config.max_request_bytes) if todo else []:
-                picked = todo[sub]
-                sent = self.request(None, functools.partial(
-                    self.client.batch_set, [chunk[j] for j in picked],
-                    [blob(base + j) for j in picked], ns))
-                ok = sent if sent is not None and len(sent) == len(picked) else \
-                    [False] * len(picked)
-                acked = acked or [False] * len(chunk)
-                for j, good in zip(picked, ok, strict=True):
-                    acked[j] = bool(good)
-            stored.extend(acked if acked is not None else [False] * len(chunk))
-        return stored
+            def at(j: int, view: torch.Tensor, base: int = base) -> None:
+                fill(base + j, view)
+
+            got = self.request(None, functools.partial(
+                self._over_shm, shm,
+                functools.partial(shm.put_from, keys[part], sizes[part], ns, at),
+                part.stop - part.start))
+            if got is None:
+                continue
+            if got is not _HTTP:
+                acked[part] = got
+            todo = [j for j in range(part.start, part.stop) if not acked[j]]
+            if todo:  # refused by the segment (too big for host memory) or no segment
+                self._write_http(ns, keys, sizes, blob, acked, todo, done)
+        return [True] * done + acked
+
+    def _write_http(self, ns: str, keys: list[str], sizes: list[int], blob: Blob,
+                    acked: list[bool], todo: list[int], offset: int) -> None:
+        """Over HTTP, store the values ``todo`` names (``blob(offset + j)``), marking in
+        ``acked`` which the service holds now."""
+        def send(part: slice) -> list[bool]:
+            picked = todo[part]
+            return self.client.batch_set([keys[j] for j in picked],
+                                         [blob(offset + j) for j in picked], ns)
+
+        for part, sent in self._parts([sizes[j] for j in todo],
+                                      self.config.max_request_bytes, send):
+            picked = todo[part]
+            ok = sent if sent is not None and len(sent) == len(picked) else \
+                [False] * len(picked)
+            for j, good in zip(picked, ok, strict=True):
+                acked[j] = bool(good)
 
     def close(self) -> None:
         """Unmap the segment and close the client."""

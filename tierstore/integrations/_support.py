@@ -27,9 +27,10 @@ class TierStoreL3Config:
 
     ``retry_down_s``: after a connection failure every call answers a miss at once for this
     long before the service is tried again. ``max_batch`` keys and ``max_request_bytes`` bound
-    one request (the service's batch and body limits, 4096 keys and ``--max-body``, must allow
-    them); bodies far past 16 MiB are fresh allocations whose page faults halve throughput. With
-    ``skip_existing`` a write first asks how many leading pages are stored and sends the rest.
+    one request (fewer keys where the service's ``--max-batch`` is lower: it is learned; the
+    body limit, ``--max-body``, must allow them); bodies far past 16 MiB are fresh allocations
+    whose page faults halve throughput. With ``skip_existing`` a write first asks how many
+    leading pages are stored and sends the rest.
     ``transport``: ``auto`` maps the service's shared segment when it runs on this host (else
     HTTP), ``shm`` insists (warning while it cannot), ``http`` never tries.
     """

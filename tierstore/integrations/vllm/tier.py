@@ -13,7 +13,6 @@ job (vLLM recomputes what it lacks), never wrong bytes.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import queue
 import time
@@ -86,15 +85,12 @@ class TierStoreTier(_Base):
                                          self.block_size_bytes)
         self._log = _LogLimiter(self.config.log_interval_s)
         self._io = ServiceIO(self.config.service_io_config(), _Counters(False), self._log)
-        # Requests stay within the service's own batch limit (413 beyond: failed jobs).
-        limit = self._service_max_batch()
-        if limit is not None and limit < self._io.config.max_batch:
-            self._io.config = dataclasses.replace(self._io.config, max_batch=limit)
+        # Requests stay within the service's own batch limit, which ServiceIO learns at start,
+        # on reconnect and from a 413 naming it (the refused request is resent split).
         self.metrics = TierMetrics()
         self.presence = PresenceCache(self._probe, present_ttl_s=self.config.present_ttl_s,
                                       absent_ttl_s=self.config.absent_ttl_s,
-                                      batch=min(self.config.probe_batch,
-                                                limit or self.config.probe_batch))
+                                      batch=self.config.probe_batch)
         self._finished: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._loads: BatchWorkers[_Job] = BatchWorkers(
             "tierstore-vllm-load", self.config.load_threads, self._batch_keys,
@@ -190,22 +186,7 @@ class TierStoreTier(_Base):
         ``max_batch`` and the service's own limit); over HTTP the bytes travel in the
         request, and parallel requests of one job each pipeline better (measured ~1.5x)
         than one large one."""
-        shm = self._io.transport()
-        if shm is None:
-            return 0
-        return min(self._io.config.max_batch, shm.max_batch or self._io.config.max_batch)
-
-    def _service_max_batch(self) -> int | None:
-        """The most keys the service takes in one request, as it says (the shared-memory
-        attach answer, else ``/v1/stats``); None when it cannot be asked now."""
-        shm = self._io.transport()
-        if shm is not None and shm.max_batch is not None:
-            return shm.max_batch
-        if not self._io.reachable:
-            return None
-        stats = self._io.request(None, self._io.client.stats)
-        limit = (stats or {}).get("service", {}).get("limits", {}).get("max_batch")
-        return limit if isinstance(limit, int) and limit > 0 else None
+        return 0 if self._io.transport() is None else self._io.max_batch
 
     def _run(self, jobs: list[_Job]) -> None:
         """Move a batch of jobs' blocks with one call; report every job exactly once,
@@ -288,6 +269,6 @@ class TierStoreTier(_Base):
     def _probe(self, keys: Sequence[bytes]) -> list[bool] | None:
         """Per key whether the service holds it (probe thread); None when it could not say."""
         names = [block_key(k) for k in keys]
-        got = self._io.request(None, lambda: self._io.client.exists_each(names,
-                                                                          self.namespace))
-        return None if got is None else [bool(v) for v in got]
+        # One request (parts the service takes, if it takes fewer): the probe is a batch.
+        got = self._io.exists_each(self.namespace, names, len(names))
+        return None if None in got else [bool(v) for v in got]
