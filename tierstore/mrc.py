@@ -30,7 +30,7 @@ missed it (``bench ops``, qwen3-next at 2k pages: the shadow's ~44 us a request 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from itertools import compress
 from typing import TYPE_CHECKING, Any
 
@@ -129,8 +129,8 @@ class Shadow:
         self._wb = (0.0, 0.0)  # a slot's weighted bytes: a page's, an end's
         self._set_weights()
         self._pending: _Pending | None = None
-        self._queue: list[tuple[Callable[[Sequence[bytes], Any], None], Sequence[bytes], Any]] \
-            = []
+        # Queued events: (a match?, keys, its tokens or the insert's checkpoint flag)
+        self._queue: list[tuple[bool, Sequence[bytes], Any]] = []
         self.edges = self._edges()
         self._hist = [0.0] * (len(self.edges) + 1)  # hit tokens by distance bin, weighted
         self._kind_hist = {k: [0.0] * (len(self.edges) + 1) for k in self.kinds}
@@ -191,7 +191,7 @@ class Shadow:
         """An insert of a prompt's full pages (``keys``), with a checkpoint at its end: queued
         (see :meth:`reference`)."""
         queue = self._queue
-        queue.append((self._insert, keys, checkpoint))
+        queue.append((False, keys, checkpoint))
         if len(queue) >= BATCH:
             self.drain()
 
@@ -201,15 +201,19 @@ class Shadow:
         tables in cache, instead of a few probes per request between the store's own work;
         the curves read the same). The store must not change ``keys`` afterwards."""
         queue = self._queue
-        queue.append((self._reference, keys, n_tokens))
+        queue.append((True, keys, n_tokens))
         if len(queue) >= BATCH:
             self.drain()
 
     def drain(self) -> None:
         """Play the queued events, in order."""
         queue, self._queue = self._queue, []
-        for play, keys, arg in queue:
-            play(keys, arg)
+        match, insert = self._reference, self._insert  # (no bound method made per event)
+        for is_match, keys, arg in queue:
+            if is_match:
+                match(keys, arg)
+            else:
+                insert(keys, arg)
 
     def _insert(self, keys: Sequence[bytes], checkpoint: bool) -> None:
         if not keys:
@@ -320,36 +324,45 @@ class Shadow:
             self._flush(pending)
         if not keys:
             return
-        ends, sampled, low = self._scan(keys)
+        c = self._c if type(keys) is list else None  # the compiled loops take lists
+        if c is not None:  # _scan's compiled path, one frame fewer
+            ends, sampled, low = c.scan(keys, self._page_limit,
+                                        self._end_set if self.state else None,
+                                        self.end_threshold, _SPACE, -1, None, None)
+        else:
+            ends, sampled, low = self._scan(keys)
         touched: list[int] = []
-        seen: dict[int, float] = {}  # distances before this request, for the touch's L2 bits
         # the touch is done by the next event (skipped if it is this prompt's insert, which
         # reuses the scan too)
         if not sampled or (ends is not None and not ends):  # nothing to read: the touch will
             self._pending = (len(keys), keys[-1], keys, ends, touched, low, self._page_limit,
                              None)
             return
+        seen: dict[int, float] = {}  # distances before this request, for the touch's L2 bits
         self._pending = (len(keys), keys[-1], keys, ends, touched, low, self._page_limit, seen)
+        last = ends[-1] if ends is not None else len(keys) - 1
+        tree = self._tree
+        if c is not None and not self._overlap:  # the usual case: one call, no locals to set up
+            c.reference(self._pages, tree.values, tree.sums, keys, sampled, ends, last,
+                        self._clock, self.edges, self._hist, self.page_size, self._w_page,
+                        self._w_end, self._page_kinds, self._end_kinds, self._kind_refs,
+                        touched, seen)
+            return
         pages, page = self._pages, self.page_size
-        tree, clock = self._tree, self._clock
+        clock = self._clock
         edges, hist = self.edges, self._hist
         w_page, w_end = self._w_page, self._w_end
         refs = self._kind_refs
-        last = ends[-1] if ends is not None else len(keys) - 1
         c1 = self._c1
         if self._overlap:  # an L2 of m*C2 holds what lies within C1 + m*C2 - D_m
             thr = self._thresholds()
             top = max(thr)
             l1_thr = None if self.unbounded_below else self._l1_thresholds()
-        c = self._c
-        if c is not None and type(keys) is list:
-            args = (pages, tree.values, tree.sums, keys, sampled, ends, last, clock, edges, hist,
-                    page, w_page, w_end, self._page_kinds, self._end_kinds, refs, touched, seen)
-            if self._overlap:
-                c.reference(*args, thr, top, c1, self._l2_hit, self._l2_kind, l1_thr,
-                            self._l1_total)
-            else:
-                c.reference(*args)
+        if c is not None:  # (with the overlap: its two extra tallies)
+            c.reference(pages, tree.values, tree.sums, keys, sampled, ends, last, clock, edges,
+                        hist, page, w_page, w_end, self._page_kinds, self._end_kinds, refs,
+                        touched, seen, thr, top, c1, self._l2_hit, self._l2_kind, l1_thr,
+                        self._l1_total)
             return
         for i in sampled:
             code = pages.get(keys[i])

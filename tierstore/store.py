@@ -163,7 +163,7 @@ class TierStore:
                 path = self.index.walk(keys)
             pages, found = self._usable(path, tiers)
             if why is None:  # before promotion splits or prunes what the walk saw
-                why = self._explain(path, keys, pages if full is None else full)
+                why = self.attribution.explain(path, keys, pages if full is None else full)
             if pages == 0:
                 plans.append((0, "none"))
                 break
@@ -178,8 +178,8 @@ class TierStore:
             plans.append((pages, status))
             if status == "ok":
                 return self._hit(node, path, pages, found, sources, priority,
-                                 self._settle(namespace, len(toks), keys, why, plans, pages,
-                                              sources))
+                                 self.attribution.settle(namespace, len(toks), len(keys), why,
+                                                         plans, pages, sources))
             self.index.lock(node, -1)
             if status == "no_room":  # L1 cannot take the lower tiers' part: serve L1 alone
                 tiers = (1,)
@@ -190,19 +190,9 @@ class TierStore:
             _, found = self._usable(self.index.walk(keys), tiers)
         self.ledger.miss()
         assert why is not None, "the match loop runs at least once"
-        lost, evicted = self._settle(namespace, len(toks), keys, why, plans, 0, {})
+        lost, evicted = self.attribution.settle(namespace, len(toks), len(keys), why, plans, 0,
+                                                {})
         return match_result(0, 0, _EMPTY, _EMPTY, None, None, found, {}, lost, evicted)
-
-    def _explain(self, path: list[Segment], keys: list[bytes], full: int) -> Explanation:
-        return self.attribution.explain(path, keys, full)
-
-    def _settle(self, namespace: str, n_tokens: int, keys: list[bytes], why: Explanation,
-                plans: list[tuple[int, str]], pages: int, sources: dict[int, int]
-                ) -> tuple[dict[str, int], dict[str, int]]:
-        """Lost tokens by reason (and evicted ones by tier) of a match serving ``pages``;
-        counted in the store's attribution totals."""
-        return self.attribution.settle(namespace, n_tokens, len(keys), why, plans, pages,
-                                       sources)
 
     def _hit(self, node: Node, path: list[Segment], pages: int, found: int,
              sources: dict[int, int], priority: int,
