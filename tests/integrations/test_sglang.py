@@ -586,6 +586,30 @@ def test_a_restart_with_a_smaller_max_batch_fails_no_batch(
         second.stop()
 
 
+def test_a_413_without_a_limit_is_resolved_by_asking_or_halving(
+        redis_server: RedisServer) -> None:
+    """A 413 whose text names no limit: the service is asked (/v1/stats), and when it cannot
+    answer, the refused count is halved (always smaller: the split ends)."""
+    from tierstore.client import ServiceError
+    from tierstore.integrations._io import ServiceIO
+    from tierstore.integrations._support import TierStoreL3Config, _Counters, _LogLimiter
+
+    small = start_service(redis_server, max_batch=4)
+    io = ServiceIO(TierStoreL3Config(url=small.url, transport="http", retry_down_s=0.2),
+                   _Counters(False), _LogLimiter(30.0))
+    try:
+        assert io.max_batch == 4  # asked at start
+        io._service_limit = 512  # as if it had restarted with a lower limit, unseen
+        refused = ServiceError(413, "batch_too_large", "too many keys")
+        assert io._lower_limit(refused, 10) and io.max_batch == 4  # asked again
+        small.stop()
+        assert io._lower_limit(refused, 4) and io.max_batch == 2  # no answer: halved
+        assert not io._lower_limit(refused, 1)  # one key cannot be split
+    finally:
+        io.close()
+        small.stop()
+
+
 # ------------------------------------------------------------------ bench
 def test_bench_runs_small(redis_bin: str) -> None:
     import argparse
