@@ -236,6 +236,55 @@ def test_mrc_touch_end_with_eq_is_refused() -> None:
     """, MRC_PRELUDE)
 
 
+
+@needs_mrc
+def test_mrc_scan_end_set_key_with_eq_is_refused() -> None:
+    """A key stored in the end set that collides with a page key and empties the keys when
+    compared: scan went on reading the freed keys (the one being looked up, then the rest)."""
+    run_case("""
+        keys = [bytes([i]) * 32 for i in range(8)]  # (made at run time: only the list holds them)
+
+        class Collider:
+            def __hash__(self):
+                return hash(keys[0])
+
+            def __eq__(self, other):
+                keys.clear()
+                return False
+
+        try:
+            c.scan(keys, b"\\xff" * 32, {Collider(): None}, 2**32, 2**32, -1, None, [])
+        except RuntimeError:
+            pass
+        else:
+            raise SystemExit("scan went on over keys that changed")
+    """, MRC_PRELUDE)
+
+
+@needs_mrc
+def test_mrc_reference_refs_key_with_eq_is_refused() -> None:
+    """A key stored in the kinds' reference counts that collides with a kind and empties the
+    kinds list when compared: the lookup went on with the freed kind (only the pair held it)."""
+    run_case("""
+        values, sums = [1.0] * 512, [256.0, 256.0]
+        kinds = [([0.0] * 4, "k" + str(len(values)))]  # (made at run time)
+
+        class Collider:
+            def __hash__(self):
+                return hash(kinds[0][1]) if kinds else 0
+
+            def __eq__(self, other):
+                kinds.clear()
+                return False
+
+        refs = {Collider(): 0.0}  # (the kind itself is not there: only the pair holds it)
+        try:
+            c.reference({b"a": 0}, values, sums, [b"a"], [0], None, 5, 10, [1.0, 100.0],
+                        [0.0, 0.0, 0.0], 1, 1.0, 1.0, kinds, [], refs, [], {})
+        except (RuntimeError, TypeError, KeyError):
+            pass
+    """, MRC_PRELUDE)
+
 # --- tierstore._c_ghost ----------------------------------------------------------------------
 
 

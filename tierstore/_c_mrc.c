@@ -87,16 +87,24 @@ static int check_keys(PyObject *keys) {
     return 0;
 }
 
-// Append positions [start, n) of keys passing a test to list out.
-static int append_positions(PyObject *out, PyObject **items, Py_ssize_t start, Py_ssize_t n,
+// Append positions [start, n) of keys passing a test to list out. (A key stored in set may
+// compare by Python code, which could change keys: the key is held, its list read afresh.)
+static int append_positions(PyObject *out, PyObject *keys, Py_ssize_t start, Py_ssize_t n,
                             const char *lim, Py_ssize_t nlim, PyObject *set) {
     for (Py_ssize_t i = start; i < n; i++) {
+        if (PySequence_Fast_GET_SIZE(keys) != n) {
+            PyErr_SetString(PyExc_RuntimeError, "scan: the keys changed during the call");
+            return -1;
+        }
+        PyObject *key = PySequence_Fast_ITEMS(keys)[i];
         int hit;
         if (set != NULL) {
-            hit = PyDict_Contains(set, items[i]);
+            Py_INCREF(key);
+            hit = PyDict_Contains(set, key);
+            Py_DECREF(key);
             if (hit < 0) return -1;
         } else {
-            hit = below(items[i], lim, nlim);
+            hit = below(key, lim, nlim);
         }
         if (hit) {
             PyObject *v = PyLong_FromSsize_t(i);
@@ -154,12 +162,12 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         }
         if (n > k) {  // low + tail, ends + tail: new lists, as the Python concatenations
             low = PyList_GetSlice(klow, 0, PyList_GET_SIZE(klow));
-            if (low == NULL || append_positions(low, items, k, n, lim, nlim, NULL) < 0)
+            if (low == NULL || append_positions(low, keys, k, n, lim, nlim, NULL) < 0)
                 goto fail;
             if (kends != Py_None) {
                 ends = PyList_GetSlice(kends, 0, PyList_GET_SIZE(kends));
                 if (ends == NULL || end_set == Py_None
-                    || append_positions(ends, items, k, n, NULL, 0, end_set) < 0) {
+                    || append_positions(ends, keys, k, n, NULL, 0, end_set) < 0) {
                     if (ends != NULL && end_set == Py_None)
                         PyErr_SetString(PyExc_ValueError, "known ends without an end set");
                     goto fail;
@@ -173,10 +181,10 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         }
     } else {
         low = PyList_New(0);
-        if (low == NULL || append_positions(low, items, 0, n, lim, nlim, NULL) < 0) goto fail;
+        if (low == NULL || append_positions(low, keys, 0, n, lim, nlim, NULL) < 0) goto fail;
         if (end_set != Py_None) {
             ends = PyList_New(0);
-            if (ends == NULL || append_positions(ends, items, 0, n, NULL, 0, end_set) < 0)
+            if (ends == NULL || append_positions(ends, keys, 0, n, NULL, 0, end_set) < 0)
                 goto fail;
         } else {
             ends = Py_NewRef(Py_None);
@@ -186,6 +194,11 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         result = PyTuple_Pack(3, ends, low, low);
         goto done;
     }
+    if (PySequence_Fast_GET_SIZE(keys) != n) {  // (the end set's lookups may have run Python)
+        PyErr_SetString(PyExc_RuntimeError, "scan: the keys changed during the call");
+        goto fail;
+    }
+    items = PySequence_Fast_ITEMS(keys);
     Py_ssize_t ne = PyList_GET_SIZE(ends);
     if (ethr < space) {
         picked = PyList_New(0);
@@ -619,6 +632,23 @@ static int bump(PyObject *hist, Py_ssize_t b, double v) {
     return add_float(hist, b, v);
 }
 
+static int count_kind(PyObject *pair, PyObject *refs, Py_ssize_t b, double weight) {
+    PyObject *kind = PyTuple_GET_ITEM(pair, 1);
+    if (bump(PyTuple_GET_ITEM(pair, 0), b, weight) < 0) return -1;
+    PyObject *r = PyDict_GetItemWithError(refs, kind);
+    if (r == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, kind);
+        return -1;
+    }
+    double had;
+    if (plain_double(r, "reference counts", &had) < 0) return -1;
+    PyObject *nr = PyFloat_FromDouble(had + weight);
+    if (nr == NULL) return -1;
+    int rc = PyDict_SetItem(refs, kind, nr);
+    Py_DECREF(nr);
+    return rc;
+}
+
 // The kinds a sampled page adds to: a list of (histogram, kind) pairs.
 static int count_kinds(PyObject *kinds, PyObject *refs, Py_ssize_t b, double weight) {
     if (!PyList_Check(kinds)) {
@@ -632,19 +662,10 @@ static int count_kinds(PyObject *kinds, PyObject *refs, Py_ssize_t b, double wei
             PyErr_SetString(PyExc_TypeError, "kinds must be a list of (histogram, kind)");
             return -1;
         }
-        PyObject *kind = PyTuple_GET_ITEM(pair, 1);
-        if (bump(PyTuple_GET_ITEM(pair, 0), b, weight) < 0) return -1;
-        PyObject *r = PyDict_GetItemWithError(refs, kind);
-        if (r == NULL) {
-            if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, kind);
-            return -1;
-        }
-        double had;
-        if (plain_double(r, "reference counts", &had) < 0) return -1;
-        PyObject *nr = PyFloat_FromDouble(had + weight);
-        if (nr == NULL) return -1;
-        int rc = PyDict_SetItem(refs, kind, nr);
-        Py_DECREF(nr);
+        // Held over refs' lookups: a key stored there may compare by Python code.
+        Py_INCREF(pair);
+        int rc = count_kind(pair, refs, b, weight);
+        Py_DECREF(pair);
         if (rc < 0) return -1;
     }
     return 0;
@@ -657,14 +678,21 @@ static int overlap_tallies(PyObject *thr, double top, double c1, PyObject *l2_hi
                            PyObject *kinds, double dist, double hit, double weight) {
     Py_ssize_t m = PyList_GET_SIZE(thr);
     if (c1 < dist && dist <= top) {
-        for (Py_ssize_t j = 0; j < m; j++) {
+        for (Py_ssize_t j = 0; j < m && j < PyList_GET_SIZE(thr); j++) {
             double t = item_double(thr, j);
             if (t == -1.0 && PyErr_Occurred()) return -1;
             if (dist > t) continue;
             if (bump(l2_hit, j, hit) < 0) return -1;
             for (Py_ssize_t k = 0; k < PyList_GET_SIZE(kinds); k++) {
-                PyObject *kind = PyTuple_GET_ITEM(PyList_GET_ITEM(kinds, k), 1);
+                PyObject *pair = PyList_GET_ITEM(kinds, k);
+                if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
+                    PyErr_SetString(PyExc_TypeError, "kinds must be a list of (histogram, kind)");
+                    return -1;
+                }
+                // The kind held over the lookup (a key stored in l2_kind may run Python).
+                PyObject *kind = Py_NewRef(PyTuple_GET_ITEM(pair, 1));
                 PyObject *h = PyDict_GetItemWithError(l2_kind, kind);
+                Py_DECREF(kind);
                 if (h == NULL || !PyList_Check(h) || PyList_GET_SIZE(h) != m) {
                     if (!PyErr_Occurred())
                         PyErr_SetString(PyExc_ValueError, "l2_kind lacks a kind's tally");
@@ -675,7 +703,7 @@ static int overlap_tallies(PyObject *thr, double top, double c1, PyObject *l2_hi
         }
     }
     if (l1_thr != Py_None) {
-        for (Py_ssize_t j = 0; j < PyList_GET_SIZE(l1_thr); j++) {
+        for (Py_ssize_t j = 0; j < PyList_GET_SIZE(l1_thr); j++) {  // (sizes read afresh)
             double t = item_double(l1_thr, j);
             if (t == -1.0 && PyErr_Occurred()) return -1;
             if (dist <= t && bump(l1_total, j, hit) < 0) return -1;
