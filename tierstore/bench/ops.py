@@ -12,7 +12,9 @@ during fill.
 
 In the same run, a floor: a plain ``dict`` of chained page hashes with an ``OrderedDict`` LRU
 and a free list doing the same bookkeeping (hash once, walk, evict the oldest, hand out ids),
-without the hybrid rule, tiers or an arena. With ``--vs vllm,sglang`` the same prompts also go
+without the hybrid rule, tiers or an arena; it hashes with the store's hasher (compiled where
+built), and ``floor-hashlib`` does the same through ``hashlib``, as a plain Python cache would.
+With ``--vs vllm,sglang`` the same prompts also go
 through vLLM's ``KVCacheManager`` (hybrid and one-group) and SGLang's ``RadixCache`` where they
 import (:mod:`tierstore.bench._ops_vs`; skipped with the reason where not). Systems take turns
 of ``--turn`` requests (interleaved, so load on a shared machine hits all alike); times are the
@@ -186,9 +188,8 @@ class EngineLoop:
 class DictFloor:
     """The floor: chained page hashes in an OrderedDict (LRU order) over a free list of ids."""
 
-    name = "floor"
-
-    def __init__(self, hasher: PageHasher, capacity_pages: int) -> None:
+    def __init__(self, hasher: PageHasher, capacity_pages: int, name: str = "floor") -> None:
+        self.name = name
         self.hasher = hasher
         self.pages: OrderedDict[bytes, int] = OrderedDict()
         self.free = list(range(capacity_pages))
@@ -252,6 +253,10 @@ def _measure(layout: ModelLayout, pages: int, args: argparse.Namespace, device: 
     loop = EngineLoop(store)
     hasher = PageHasher(layout.name, layout.fingerprint, layout.page_size, memo_bytes=0)
     floor = DictFloor(hasher, pages)
+    # The same floor hashing through hashlib, as the issue's floor did: the store's hasher
+    # is compiled where tierstore._c_chain is built, and so is ``floor``'s.
+    floor_py = DictFloor(PageHasher(layout.name, layout.fingerprint, layout.page_size,
+                                    memo_bytes=0, native=False), pages, "floor-hashlib")
     others, skipped = make_systems(engines, layout, pages) if engines else ([], {})
     pair = accounting_pair(lambda on: _store(layout, pages, args.private_pages, device, on)) \
         if args.accounting_off and device == "meta" else []
@@ -259,7 +264,7 @@ def _measure(layout: ModelLayout, pages: int, args: argparse.Namespace, device: 
     # systems are; the pair's accounting-on loop is one when there is a pair.
     bare = pair[0] if pair else BareLoop("tierstore", _store(layout, pages, args.private_pages,
                                                              device))
-    systems: list[System] = [loop, floor, *others, *(pair if pair else [bare])]
+    systems: list[System] = [loop, floor, floor_py, *others, *(pair if pair else [bare])]
     prompts = Prompts(layout.page_size, args.shared_pages, args.private_pages, args.prefixes,
                       args.seed)
     loop.warm(prompts.prefixes)
@@ -312,6 +317,8 @@ def _measure(layout: ModelLayout, pages: int, args: argparse.Namespace, device: 
         "same_hits": bare.store.ledger.tokens_hit == store.ledger.tokens_hit,
         "floor_us_per_request": steady.us(floor.name),
         "vs_floor": ratio(us, steady.us(floor.name)),
+        "floor_hashlib_us_per_request": steady.us(floor_py.name),
+        "vs_floor_hashlib": ratio(us, steady.us(floor_py.name)),
         "systems": {s.name: {"fill_us_per_request": fill.us(s.name),
                              "us_per_request": steady.us(s.name),
                              "evictions": s.evictions()} for s in systems},
@@ -342,13 +349,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     def growth(key: str) -> float | None:
         return ratio(meta[-1][key], meta[0][key]) if meta else None
 
-    vs = sorted({k for r in meta for k in r if k.startswith("vs_") and k != "vs_floor"})
+    vs = sorted({k for r in meta for k in r
+                 if k.startswith("vs_") and k not in ("vs_floor", "vs_floor_hashlib")})
     return {"model": args.model, "page_size": args.page_size,
             "pages_per_request": args.shared_pages + args.private_pages,
             "prefixes": args.prefixes, "requests": args.requests, "rows": rows,
             "growth": growth("us_per_request"), "fill_growth": growth("fill_us_per_request"),
             "max_us_per_request": max(r["us_per_request"] for r in meta) if meta else None,
             "max_vs_floor": _max(r["vs_floor"] for r in meta),
+            "max_vs_floor_hashlib": _max(r["vs_floor_hashlib"] for r in meta),
             "max_accounting_rise": _max(r["accounting"]["steady"]["rise"] for r in meta
                                         if "accounting" in r),
             **{f"max_{k}": _max(r.get(k) for r in meta) for k in vs},
@@ -367,7 +376,8 @@ def render(result: dict[str, Any]) -> str:
             *(f"fill_us_{op}" for op in OPS), "moved_per_allocated"]
     steady = ["pages", "device", "us_per_request", "timed_us_per_request",
               *(f"us_{op}" for op in OPS),
-              "evictions_per_request", "floor_us_per_request", "vs_floor"]
+              "evictions_per_request", "floor_us_per_request", "vs_floor",
+              "floor_hashlib_us_per_request", "vs_floor_hashlib"]
     names = sorted({n for r in result["rows"] for n in r["systems"]})
     side = [{"pages": r["pages"], "phase": phase,
              **{n: _fmt(r["systems"].get(n, {}).get(key)) for n in names}}
