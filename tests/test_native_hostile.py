@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -318,3 +319,42 @@ def test_ghost_tally_holds_the_count_over_a_key_hash() -> None:
         got = c[3]  # (a dangling item reads as whatever reused its memory)
         assert got == 0 or (type(got) is int and got == int("9" * 31)), f"freed memory: {got!r}"
     """)
+
+
+# --- tierstore._c_chain (no callbacks can run inside it: sizes and overflow only) --------------
+
+
+@needs_chain
+@pytest.mark.parametrize("args", [
+    (bytes(32), bytes(96), 32, 2**62, 2**62),  # first + count past 2**63
+    (bytes(32), bytes(96), 32, 0, 2**63 - 1),
+    (bytes(32), bytes(96), 2**63, 0, 0),  # (too large: ValueError, not OverflowError)
+    (bytes(32), bytes(96), 32, -1, 1),
+    (bytes(31), bytes(96), 32, 0, 1),
+])
+def test_chain_refuses_sizes_past_the_buffer(args: tuple[object, ...]) -> None:
+    ch: Any = chain_c
+    with pytest.raises(ValueError):
+        ch.chain(*args)
+
+
+@needs_chain
+def test_chain_shared_and_pack_refuse_counts_past_the_buffer() -> None:
+    import numpy as np
+
+    ch: Any = chain_c
+    with pytest.raises(ValueError):
+        ch.shared(bytes(64), bytes(64), 1, 2**62)
+    with pytest.raises(ValueError):
+        ch.shared(bytes(64), bytes(64), 2**62, 2**62)
+    tokens = np.arange(8, dtype=np.uint32)
+    with pytest.raises(ValueError):
+        ch.pack(tokens, 2**62)
+    assert ch.pack(tokens[::2], 2) is None  # (strided)
+    assert ch.pack(tokens.reshape(2, 4), 2) is None
+    with pytest.raises(ValueError):  # out one item short
+        ch.narrow_i64(np.arange(8, dtype=np.int64), np.zeros(7, np.uint32))
+    with pytest.raises((BufferError, TypeError)):  # out read-only
+        ch.pack_ints([1, 2], bytes(8))
+    with pytest.raises(TypeError):  # a list subclass (its own __getitem__ would be skipped)
+        ch.pack_ints(type("L", (list,), {})([1, 2]), np.zeros(2, np.uint32))
