@@ -262,6 +262,31 @@ def test_mrc_scan_end_set_key_with_eq_is_refused() -> None:
     """, MRC_PRELUDE)
 
 
+
+@needs_mrc
+def test_mrc_scan_key_replaced_by_a_lookup_is_refused() -> None:
+    """An end set's stored key whose __eq__ replaces a page key with an int (the list keeps its
+    size): scan then read the int as bytes when it sampled the ends."""
+    run_case("""
+        keys = [bytes([i]) * 32 for i in range(8)]
+
+        class Collider:
+            def __hash__(self):
+                return hash(keys[7])
+
+            def __eq__(self, other):
+                keys[0] = 12345
+                return False
+
+        end_set = {Collider(): None, keys[0]: None}
+        try:
+            c.scan(keys, b"\\xff" * 32, end_set, 2**31, 2**32, -1, None, [])
+        except RuntimeError:
+            pass
+        else:
+            raise SystemExit("scan read a replaced key")
+    """, MRC_PRELUDE)
+
 @needs_mrc
 def test_mrc_reference_refs_key_with_eq_is_refused() -> None:
     """A key stored in the kinds' reference counts that collides with a kind and empties the

@@ -211,6 +211,10 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
                     PyErr_SetString(PyExc_IndexError, "an end position is out of the keys");
                 goto fail;
             }
+            if (!PyBytes_CheckExact(items[i])) {  // (replaced by an end set's lookup)
+                PyErr_SetString(PyExc_RuntimeError, "scan: the keys changed during the call");
+                goto fail;
+            }
             if (end_sampled(items[i], ethr) && PyList_Append(picked, pos) < 0) goto fail;
         }
     } else if (PyList_GET_SIZE(low) == 0) {
