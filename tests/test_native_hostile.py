@@ -311,6 +311,22 @@ def test_mrc_reference_refs_key_with_eq_is_refused() -> None:
             pass
     """, MRC_PRELUDE)
 
+
+@needs_mrc
+def test_mrc_reference_page_overflow_is_refused() -> None:
+    """An end's tokens (pages since the last end times the page size) past 2**63: a signed
+    overflow (undefined behaviour; UBSan reports it)."""
+    run_case("""
+        values, sums = [1.0] * 512, [256.0, 256.0]
+        try:
+            c.reference({b"a": 0, b"b": 2}, values, sums, [b"a", b"b"], [0, 1], [1], 5, 10,
+                        [1.0, 100.0], [0.0, 0.0, 0.0], 2**62, 1.0, 1.0, [], [], {}, [], {})
+        except ValueError:
+            pass
+        else:
+            raise SystemExit("reference multiplied past 2**63")
+    """, MRC_PRELUDE)
+
 # --- tierstore._c_ghost ----------------------------------------------------------------------
 
 

@@ -821,7 +821,12 @@ static PyObject *reference(PyObject *self, PyObject *const *args, Py_ssize_t nar
                 Py_ssize_t prev = lo ? PyLong_AsSsize_t(PyList_GET_ITEM(ends, lo - 1)) + 1 : 0;
                 if (PyErr_Occurred()) return NULL;
                 weight = w_end;
-                hit = (double)((long long)(i + 1 - prev) * page) * weight;
+                long long tokens;
+                if (__builtin_mul_overflow((long long)(i + 1 - prev), page, &tokens)) {
+                    PyErr_SetString(PyExc_ValueError, "reference: page too large");
+                    return NULL;
+                }
+                hit = (double)tokens * weight;
                 kinds = end_kinds;
             } else {
                 if (PyErr_Occurred()) return NULL;
