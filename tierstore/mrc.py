@@ -29,13 +29,12 @@ missed it (``bench ops``, qwen3-next at 2k pages: the shadow's ~44 us a request 
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Mapping, Sequence
-from itertools import compress
 from typing import TYPE_CHECKING, Any
 
-from tierstore import mrc_curves, mrc_stack
-from tierstore.mrc_stack import SHIFT as _SHIFT
+from tierstore import mrc_curves, mrc_loops, mrc_stack
+from tierstore.mrc_loops import SPACE as _SPACE
+from tierstore.mrc_loops import end_sampled as _end_sampled
 from tierstore.mrc_stack import Slots as _Slots
 from tierstore.native import load
 
@@ -44,14 +43,12 @@ if TYPE_CHECKING:
     from tierstore.layout import ModelLayout
 
 # The per-event loops compiled (scan, a match's reads, a touch without an L2 overlap); None:
-# the pure-Python loops below, which give the same curves to the bit (tested side by side).
+# the pure-Python loops (:mod:`tierstore.mrc_loops`), the same curves to the bit (tested).
 _C = load("tierstore._c_mrc")
 
 MULTIPLES = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0)
-# Sampling thresholds are on 32 bits of the page key itself (SHA-256 output, uniform): pages
-# on bytes 0-3, candidate ends on bytes 4-7. A page is sampled when its key sorts below the
-# threshold's 4 bytes, one C-level bytes comparison per page and no hashing pass.
-_SPACE = 1 << 32
+# A page is sampled when its key sorts below the threshold's 4 bytes (``mrc_loops.SPACE``),
+# one C-level bytes comparison per page and no hashing pass.
 _ALL = b"\xff" * 64  # sorts above every key: rate 1
 DEFAULT_MAX_TRACKED = 16_384
 # Pages start sampled at 1/16 (candidate ends at 1): on the shipped trace that is within
@@ -64,10 +61,6 @@ def _limit(threshold: int) -> bytes:
     """The bytes a sampled key sorts below: ``key < _limit(t)`` iff its first 4 bytes, read
     big-endian, are under ``t``."""
     return _ALL if threshold >= _SPACE else threshold.to_bytes(4, "big")
-
-
-def _end_sampled(key: bytes, threshold: int) -> bool:
-    return int.from_bytes(key[4:8], "big") < threshold
 
 
 # A match's touch, left to the next event (a plain tuple: building it is one C call):
@@ -279,7 +272,6 @@ class Shadow:
         the model has no state), the positions the sample covers (as pages, or as candidate
         ends) in order, and those under the page threshold. C-level maps only: no Python step
         per page. ``known``: the same for the first ``known[0]`` pages."""
-        n = len(keys)
         limit = self._page_limit
         c = self._c
         if c is not None and type(keys) is list:
@@ -288,30 +280,7 @@ class Shadow:
                               known[0], known[3], known[5])
             return c.scan(keys, limit, self._end_set if self.state else None,
                           self.end_threshold, _SPACE, -1, None, None)
-        if known is not None and known[6] == limit:
-            k, ends, low = known[0], known[3], known[5]
-            if n > k:
-                tail = keys[k:]
-                low = low + list(compress(range(k, n), map(limit.__gt__, tail)))
-                if ends is not None:
-                    ends = ends + list(compress(range(k, n),
-                                                map(self._end_set.__contains__, tail)))
-        else:
-            low = list(compress(range(n), map(limit.__gt__, keys)))  # key < limit
-            ends = list(compress(range(n), map(self._end_set.__contains__, keys))) \
-                if self.state else None
-        if not ends:  # no state (every page a candidate), or no candidate: pages only
-            return ends, low, low
-        ethr = self.end_threshold
-        if ethr < _SPACE:
-            picked = [i for i in ends if _end_sampled(keys[i], ethr)]
-        elif not low:  # every end is sampled
-            return ends, ends, low
-        else:
-            picked = ends
-        sampled = [i for i in low if i not in ends] + picked if low else picked
-        sampled.sort()
-        return ends, sampled, low
+        return mrc_loops.scan(self, keys, known)
 
     def _reference(self, keys: Sequence[bytes], n_tokens: int) -> None:
         """A match: record where each candidate end's distance puts it, then use the path an
@@ -348,61 +317,17 @@ class Shadow:
                         self._w_end, self._page_kinds, self._end_kinds, self._kind_refs,
                         touched, seen)
             return
-        pages, page = self._pages, self.page_size
-        clock = self._clock
-        edges, hist = self.edges, self._hist
-        w_page, w_end = self._w_page, self._w_end
-        refs = self._kind_refs
-        c1 = self._c1
-        if self._overlap:  # an L2 of m*C2 holds what lies within C1 + m*C2 - D_m
-            thr = self._thresholds()
-            top = max(thr)
-            l1_thr = None if self.unbounded_below else self._l1_thresholds()
+        thr = self._thresholds() if self._overlap else []  # an L2 of m*C2 holds what
+        top = max(thr, default=0.0)  # lies within C1 + m*C2 - D_m
+        l1_thr = None if self.unbounded_below or not self._overlap else self._l1_thresholds()
         if c is not None:  # (with the overlap: its two extra tallies)
-            c.reference(pages, tree.values, tree.sums, keys, sampled, ends, last, clock, edges,
-                        hist, page, w_page, w_end, self._page_kinds, self._end_kinds, refs,
-                        touched, seen, thr, top, c1, self._l2_hit, self._l2_kind, l1_thr,
+            c.reference(self._pages, tree.values, tree.sums, keys, sampled, ends, last,
+                        self._clock, self.edges, self._hist, self.page_size, self._w_page,
+                        self._w_end, self._page_kinds, self._end_kinds, self._kind_refs,
+                        touched, seen, thr, top, self._c1, self._l2_hit, self._l2_kind, l1_thr,
                         self._l1_total)
             return
-        for i in sampled:
-            code = pages.get(keys[i])
-            if code is None:
-                continue
-            dist = tree.suffix(code >> 1, clock)  # its bytes + newer
-            seen[i] = dist
-            if i <= last:
-                touched.append(i)
-            b = bisect.bisect_left(edges, dist)
-            if ends is None:  # every page is a candidate: its own tokens hit at this size
-                weight = w_page
-                hit = page * weight
-                kinds = self._page_kinds
-            else:
-                k = bisect.bisect_left(ends, i)
-                if k < len(ends) and ends[k] == i:  # a candidate: the tokens since the one
-                    weight = w_end  # before it hit at this size
-                    hit = (i + 1 - (ends[k - 1] + 1 if k else 0)) * page * weight
-                    kinds = self._end_kinds
-                else:
-                    weight = w_page
-                    hit = 0.0
-                    kinds = self._page_kinds
-            hist[b] += hit
-            for h, kind in kinds:
-                h[b] += weight
-                refs[kind] += weight
-            if self._overlap:
-                if c1 < dist <= top:
-                    l2_hit, l2_kind = self._l2_hit, self._l2_kind
-                    for j, t in enumerate(thr):
-                        if dist <= t:
-                            l2_hit[j] += hit
-                            for _, kind in kinds:
-                                l2_kind[kind][j] += weight
-                if l1_thr is not None:
-                    for j, t in enumerate(l1_thr):
-                        if dist <= t:
-                            self._l1_total[j] += hit
+        mrc_loops.reference(self, keys, sampled, ends, last, touched, seen, thr, top, l1_thr)
 
     def _thresholds(self) -> list[float]:
         """Per multiple ``m``: the deepest distance an L2 of ``m*C2`` bytes serves."""
@@ -442,37 +367,7 @@ class Shadow:
                         or self._num_ends > self.max_tracked:
                     self._lower_rate()
                 return
-        values, sums = self._tree.values, self._tree.sums
-        wb = self._wb
-        clock = self._clock
-        for i in reversed(sampled):
-            key = keys[i]
-            code = pages.get(key)
-            if code is None:
-                if not create:
-                    continue
-                is_end = 1 if ends is not None and i in ends else 0
-                self._num_ends += is_end
-            else:
-                is_end = code & 1
-                slot = code >> 1
-                if slot >= 0:
-                    values[slot] -= wb[is_end]
-                    sums[slot >> _SHIFT] -= wb[is_end]
-            if clock >= self._slots:
-                if code is not None:  # off the stack while the slots are renumbered
-                    pages[key] = -2 | is_end
-                self._clock = clock
-                self._compact()
-                values, sums, wb = self._tree.values, self._tree.sums, self._wb
-                clock = self._clock
-            pages[key] = clock << 1 | is_end
-            values[clock] = wb[is_end]  # slots at and past the clock are empty
-            sums[clock >> _SHIFT] += wb[is_end]
-            clock += 1
-        self._clock = clock
-        if len(pages) - self._num_ends > self.max_tracked or self._num_ends > self.max_tracked:
-            self._lower_rate()
+        mrc_loops.touch(self, keys, ends, sampled, create)
 
     def _compact(self) -> None:
         """Renumber the live slots 0..n-1 in recency order, at the current weights (slots ran
