@@ -27,12 +27,14 @@ MSGPACK = "application/msgpack"
 class ServiceError(TierStoreError):
     """The service answered with an error (``status``, ``error``, ``detail``)."""
 
-    def __init__(self, status: int, error: str, detail: str, *, attempts: int = 1) -> None:
+    def __init__(self, status: int, error: str, detail: str, *, attempts: int = 1,
+                 limit: int | None = None) -> None:
         super().__init__(f"{status} {error}: {detail}")
         self.status = status
         self.error = error
         self.detail = detail
         self.attempts = attempts  # > 1: an earlier attempt may have reached the service
+        self.limit = limit  # a 413 for too many items: the most the route takes
 
 
 def pack_tokens(tokens: Sequence[int] | np.ndarray) -> bytes:
@@ -181,8 +183,10 @@ def _decode(status: int, content_type: str, raw: bytes, attempts: int = 1) -> An
         json.loads(raw) if raw else {}
     if status >= 400:
         if isinstance(body, dict):
+            limit = body.get("limit")
             raise ServiceError(status, str(body.get("error")), str(body.get("detail")),
-                               attempts=attempts)
+                               attempts=attempts,
+                               limit=limit if type(limit) is int and limit > 0 else None)
         raise ServiceError(status, "http_error", raw[:200].decode(errors="replace"),
                            attempts=attempts)
     return body

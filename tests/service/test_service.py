@@ -8,6 +8,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from typing import Any
 
 import msgpack
 import pytest
@@ -149,6 +150,34 @@ def test_errors_are_json_and_change_nothing(svc: RunningService, path: str, body
     after = (store.index.num_pages, {k: store.arena.num_live(k) for k in store.kinds},
              svc.service.kv.stats()["host_keys"])
     assert before == after
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "error"),
+    [
+        ("/v1/match", {"tokens": list(range(5000))}, "too_many_tokens"),  # decoder's check
+        ("/v1/storage/batch_set", {"keys": ["a"] * 65, "values": [b"v"] * 65},
+         "batch_too_large"),
+        ("/v1/storage/batch_get", {"keys": ["a"] * 65}, "batch_too_large"),
+    ],
+)
+def test_too_many_items_says_the_limit(svc: RunningService, client: Client, path: str,
+                                       body: dict[str, Any], error: str) -> None:
+    """A 413 for too many items carries the route's limit as a field (clients split to it),
+    and the client's ServiceError exposes it."""
+    status, got = raw_post(svc.url, path, msgpack.packb(body))
+    assert (status, got["error"]) == (413, error), got
+    limit = got["limit"]
+    assert type(limit) is int and 0 < limit < max(len(v) for v in body.values())
+    assert str(limit) in got["detail"]
+    with pytest.raises(ServiceError) as err:
+        client.call_nowait(path, body).result(timeout=30)
+    assert (err.value.status, err.value.limit) == (413, limit)
+
+
+def test_other_errors_carry_no_limit(svc: RunningService) -> None:
+    status, got = raw_post(svc.url, "/v1/release", msgpack.packb({"lease": "not-a-lease"}))
+    assert status == 404 and "limit" not in got
 
 
 def test_body_over_the_limit_is_413(svc: RunningService) -> None:

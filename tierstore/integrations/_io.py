@@ -111,10 +111,11 @@ class ServiceIO:
         self._service_limit = limit
 
     def _lower_limit(self, exc: ServiceError, sent: int) -> bool:
-        """After a 413 for ``sent`` keys: adopt the limit it names (else the one the service
-        states, else half of ``sent``); False when ``sent`` cannot shrink (one key)."""
-        named = _NAMED_LIMIT.search(exc.detail)
-        limit = int(named.group(1)) if named else None
+        """After a 413 for ``sent`` keys: adopt the limit it carries (its ``limit`` field, or
+        named in its detail; else the one the service states, else half of ``sent``); False
+        when ``sent`` cannot shrink (one key)."""
+        named = _NAMED_LIMIT.search(exc.detail)  # from a service older than the field
+        limit = exc.limit if exc.limit is not None else int(named.group(1)) if named else None
         if limit is None or not 0 < limit < sent:
             self._learn_limit()
             limit = self._service_limit

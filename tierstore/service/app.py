@@ -173,7 +173,7 @@ class Service:
         try:
             return await handler(request)
         except HTTPError as exc:
-            response = error_response(exc.status, exc.error, exc.detail)
+            response = error_response(exc.status, exc.error, exc.detail, limit=exc.limit)
             if exc.status in (408, 413):  # the body was not (all) read: drop the connection
                 response.force_close()
             return response
@@ -398,7 +398,8 @@ class Service:
         keys = field(body, "keys", list)
         if len(keys) > self.config.max_batch:
             raise HTTPError(413, "batch_too_large", f"{len(keys)} keys exceed the limit of "
-                                                    f"{self.config.max_batch}")
+                                                    f"{self.config.max_batch}",
+                            limit=self.config.max_batch)
         who, name = namespace(request, body)
         return [self.kv.key(name, k, who.tenant.name) for k in keys]
 

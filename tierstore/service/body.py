@@ -44,17 +44,24 @@ JSON_MAX_BYTES = 1 << 20
 
 
 class HTTPError(TierStoreError):
-    """An error answered as ``{"error": ..., "detail": ...}`` with ``status``."""
+    """An error answered as ``{"error": ..., "detail": ...}`` with ``status``; a 413 for too
+    many items also says the route's ``limit``, so a client can split without parsing text."""
 
-    def __init__(self, status: int, error: str, detail: str) -> None:
+    def __init__(self, status: int, error: str, detail: str, *, limit: int | None = None
+                 ) -> None:
         super().__init__(detail)
         self.status = status
         self.error = error
         self.detail = detail
+        self.limit = limit
 
 
-def error_response(status: int, error: str, detail: str) -> web.Response:
-    return web.json_response({"error": error, "detail": detail}, status=status)
+def error_response(status: int, error: str, detail: str, *, limit: int | None = None
+                   ) -> web.Response:
+    body: dict[str, Any] = {"error": error, "detail": detail}
+    if limit is not None:
+        body["limit"] = limit
+    return web.json_response(body, status=status)
 
 
 class BodyBudget:
@@ -298,8 +305,11 @@ def _decode_errors(kind: str, route: RouteLimits) -> Iterator[None]:
             msgpack.exceptions.StackError) as exc:
         text = str(exc)
         if "exceeds max_" in text:  # msgpack's "N exceeds max_array_len(M)", at the header
-            error = route.array_error if "max_array_len" in text else "item_too_large"
-            raise HTTPError(413, error, f"{text[:200]}: over this route's limit") from None
+            if "max_array_len" in text:
+                raise HTTPError(413, route.array_error, f"{text[:200]}: over this route's "
+                                                        f"limit", limit=route.max_array) from None
+            raise HTTPError(413, "item_too_large", f"{text[:200]}: over this route's "
+                                                  f"limit") from None
         raise HTTPError(400, "malformed_body", f"cannot decode the {kind} body: "
                                                f"{text[:200]}") from None
 
@@ -338,7 +348,8 @@ def _settle(body: Any, route: RouteLimits) -> dict[str, Any]:
     if isinstance(tokens, list):
         if len(tokens) > route.max_array:
             raise HTTPError(413, route.array_error, f"{len(tokens)} tokens exceed this "
-                                                    f"route's limit of {route.max_array}")
+                                                    f"route's limit of {route.max_array}",
+                            limit=route.max_array)
         body["tokens"] = token_array(tokens)
     return body
 
@@ -364,7 +375,8 @@ def _check_structure(body: dict[str, Any], route: RouteLimits) -> None:
             if len(obj) > route.max_array:
                 raise HTTPError(413, route.array_error, f"an array of {len(obj)} items "
                                                         f"exceeds this route's limit of "
-                                                        f"{route.max_array}")
+                                                        f"{route.max_array}",
+                                limit=route.max_array)
             items = obj
         todo += [(v, depth + 1) for v in items if isinstance(v, (dict, list))]
 

@@ -78,7 +78,7 @@ def blobs_field(body: dict[str, Any], name: str, limit: int, *, required: bool =
         return None
     if len(value) > limit:
         raise HTTPError(413, "batch_too_large", f"{len(value)} items in {name!r} exceed the "
-                                                f"limit of {limit}")
+                                                f"limit of {limit}", limit=limit)
     if not all(isinstance(v, bytes) for v in value):
         raise HTTPError(400, "bad_field", f"field {name!r} must be a list of bytes")
     return value

@@ -262,7 +262,8 @@ def _lease_ids(body: dict[str, Any], name: str, limit: int) -> list[str]:
     strings, 413 beyond ``limit`` ids (checked before any lease ends)."""
     ids = field(body, name, list, default=[])
     if len(ids) > limit:
-        raise HTTPError(413, "batch_too_large", f"{len(ids)} leases exceed the limit of {limit}")
+        raise HTTPError(413, "batch_too_large", f"{len(ids)} leases exceed the limit of {limit}",
+                        limit=limit)
     if not all(isinstance(i, str) for i in ids):
         raise HTTPError(400, "bad_field", f"field {name!r} must be a list of lease ids")
     return list(ids)
