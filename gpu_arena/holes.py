@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from gpu_arena.slots import SlotLoops
+from gpu_arena.slots import SlotLoops, first_holes
 
 # Up to this many entries the heap is kept as a list that is sorted before each take: new
 # entries are appended unordered (no per-entry push), and the sort merges them into the sorted
@@ -80,23 +80,8 @@ class HoleHeap:
         if not self._ordered:
             heapq.heapify(entries)
             self._ordered = True
-        sign = self.sign
-        owner, readers, writers = self._owner_mv, self._readers_mv, self._writers_mv
-        found: list[int] = []
-        last, used, left = None, 0, n
-        for key in _popping(entries):
-            used += 1
-            slot = sign * key
-            if slot == last:  # a repeated entry: equal entries come one after another
-                continue
-            last = slot
-            if lo <= slot < hi and owner[slot] < 0 and not (
-                    fenced and (readers[slot] > 0 or writers[slot] > 0)):
-                found.append(slot)
-                left -= 1
-                if not left:
-                    break
-        return found, used
+        return first_holes(_popping(entries), self.sign, lo, hi, n, fenced, self._owner_mv,
+                           self._readers_mv, self._writers_mv)
 
     def take_bind(self, lo: int, hi: int, n: int, fenced: bool,
                   top: int) -> tuple[list[int] | None, int]:

@@ -9,13 +9,37 @@ gives it (a test runs both side by side). :func:`slot_loops` picks one per pool.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Iterable
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 
 from tierstore.native import load
 
 native: ModuleType | None = load("gpu_arena._c_slots")  # None: pure Python (or not built)
+
+
+def first_holes(keys: Iterable[int], sign: int, lo: int, hi: int, n: int, fenced: bool,
+                owner: Any, readers: Any, writers: Any) -> tuple[list[int], int]:
+    """The first ``n`` slots of ``keys`` (hole-heap keys ``sign * slot``, in order) that are
+    holes of ``[lo, hi)``: free in ``owner``, and unfenced when ``fenced``; repeats and stale
+    keys are skipped. Returns them and how many keys were read."""
+    found: list[int] = []
+    last, used, left = None, 0, n
+    for key in keys:
+        used += 1
+        slot = sign * key
+        if slot == last:  # a repeated entry: equal entries come one after another
+            continue
+        last = slot
+        if lo <= slot < hi and owner[slot] < 0 and not (
+                fenced and (readers[slot] > 0 or writers[slot] > 0)):
+            found.append(slot)
+            left -= 1
+            if not left:
+                break
+    return found, used
 
 
 class SlotLoops:
@@ -33,24 +57,11 @@ class SlotLoops:
         ``n`` that are holes of ``[lo, hi)`` (free, and unfenced when ``fenced``), skipping
         repeats and stale keys; returns those slots and how many entries were read (and
         deleted)."""
-        found: list[int] = []
         if n <= 0 or not entries:
-            return found, 0
+            return [], 0
         entries.sort()
-        owner, readers, writers = self._owner, self._readers, self._writers
-        last, used, left = None, 0, n
-        for key in entries:
-            used += 1
-            slot = sign * key
-            if slot == last:  # a repeated entry: equal entries come one after another
-                continue
-            last = slot
-            if lo <= slot < hi and owner[slot] < 0 and not (
-                    fenced and (readers[slot] > 0 or writers[slot] > 0)):
-                found.append(slot)
-                left -= 1
-                if not left:
-                    break
+        found, used = first_holes(entries, sign, lo, hi, n, fenced, self._owner,
+                                  self._readers, self._writers)
         del entries[:used]
         return found, used
 
