@@ -147,7 +147,7 @@ def test_bench_ops_runs_the_loop_with_accounting_on_and_off() -> None:
     ops.add_arguments(parser)
     args = parser.parse_args(["--model", "qwen3-next-80b-a3b", "--sizes", "300",
                               "--requests", "40", "--real-pages", "0", "--turn", "16",
-                              "--accounting-off"])
+                              "--fill-min-requests", "60", "--accounting-off"])
     result = ops.run(args)
     json.dumps(result)
     row = result["rows"][0]
@@ -156,5 +156,6 @@ def test_bench_ops_runs_the_loop_with_accounting_on_and_off() -> None:
         figures = row["accounting"][phase]
         assert figures["same_hits"] and figures["failed"] == 0
         assert figures["on_us"] > 0 and figures["off_us"] > 0 and figures["rise"] is not None
+        assert figures["rise_median"] is not None and figures["order"] == "alternate"
     assert result["max_accounting_rise"] == row["accounting"]["steady"]["rise"]
     assert "accounting on/off at 300 pages" in ops.render(result)

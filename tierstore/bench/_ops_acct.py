@@ -6,17 +6,36 @@ engine loop bare (no timing hooks around single calls, which would cost a clock 
 inflate both sides), interleaved with the other systems on the same prompts; the rise is the
 pair's µs per request, on over off, minus 1. Both must hit the same tokens: accounting
 observes the cache, it never changes it.
+
+The pair runs back to back within each turn, and by default the two swap places every turn
+(``--pair-order alternate``): the second of two stores running the same code finds the CPU's
+caches warmer, so a fixed order charges that to one side. Beside the total ratio (``rise``,
+comparable across rounds), :func:`rise` gives the per-turn ratios' median, quartiles and
+extremes, and the total ratio over the turns where each side went first.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import statistics
+from collections.abc import Callable, Sequence
+from typing import Protocol, TypeVar
 
 import numpy as np
 
 from tierstore.store import TierStore
 
 ON, OFF = "accounting-on", "accounting-off"
+ORDERS = ("alternate", "fixed")
+T = TypeVar("T")
+
+
+class Clock(Protocol):
+    """What :func:`rise` reads of ``bench ops``' clock: µs per request per system, and the CPU
+    seconds each system spent on each turn (the pair's lists are aligned: both run every turn)."""
+
+    turns: dict[str, list[float]]
+
+    def us(self, name: str) -> float | None: ...
 
 
 class BareLoop:
@@ -56,11 +75,50 @@ def accounting_pair(make_store: Callable[[bool], TierStore]) -> list[BareLoop]:
     return [BareLoop(ON, make_store(True)), BareLoop(OFF, make_store(False))]
 
 
-def rise(pair: list[BareLoop], us: Callable[[str], float | None]) -> dict[str, object]:
-    """The pair's figures: µs per request on and off (``us(name)``), the rise, and whether
-    both stores hit the same tokens."""
-    on, off = us(ON), us(OFF)
-    hits = [loop.store.ledger.tokens_hit for loop in pair]
+def turn_order(systems: list[T], pair: Sequence[T], turn: int, order: str) -> list[T]:
+    """``systems`` in this turn's order: with ``order`` "alternate", the pair's two members
+    swap places on odd turns; "fixed" keeps on before off every turn (rounds 5-7)."""
+    if order not in ORDERS:
+        raise ValueError(f"pair order {order!r}; known: {', '.join(ORDERS)}")
+    if not pair or order == "fixed" or turn % 2 == 0:
+        return systems
+    on, off = systems.index(pair[0]), systems.index(pair[1])
+    swapped = list(systems)
+    swapped[on], swapped[off] = swapped[off], swapped[on]
+    return swapped
+
+
+def rise(pairs: Sequence[Sequence[BareLoop]], clock: Clock, order: str) -> dict[str, object]:
+    """The pair's figures over every pair in ``pairs`` (one per fill run): µs per request on and
+    off, the rise (total on / total off - 1), the per-turn rises' median, quartiles and extremes,
+    the total rise over the turns where on, and where off, went first, and whether each pair's
+    stores hit the same tokens."""
+    on, off = clock.us(ON), clock.us(OFF)
+    on_turns, off_turns = clock.turns[ON], clock.turns[OFF]
+    assert len(on_turns) == len(off_turns), "the pair runs every turn, both of its stores"
+    per_turn = sorted(a / b - 1 for a, b in zip(on_turns, off_turns, strict=True) if b > 0)
+    # Turn i's first: on on even turns either way, off on odd turns when alternating.
+    firsts = [ON if order == "fixed" or i % 2 == 0 else OFF for i in range(len(on_turns))]
+
+    def total(first: str) -> float | None:
+        a = sum(s for s, f in zip(on_turns, firsts, strict=True) if f == first)
+        b = sum(s for s, f in zip(off_turns, firsts, strict=True) if f == first)
+        return a / b - 1 if b > 0 else None
+
+    q1 = q3 = None
+    if len(per_turn) >= 2:
+        q1, _, q3 = statistics.quantiles(per_turn, n=4, method="inclusive")
+    elif per_turn:
+        q1 = q3 = per_turn[0]
     return {"on_us": on, "off_us": off,
             "rise": on / off - 1 if on is not None and off else None,
-            "same_hits": hits[0] == hits[1], "failed": sum(loop.failed for loop in pair)}
+            "rise_median": statistics.median(per_turn) if per_turn else None,
+            "rise_q1": q1, "rise_q3": q3,
+            "rise_iqr": q3 - q1 if q1 is not None and q3 is not None else None,
+            "rise_min": per_turn[0] if per_turn else None,
+            "rise_max": per_turn[-1] if per_turn else None,
+            "rise_on_first": total(ON), "rise_off_first": total(OFF),
+            "turns": len(per_turn), "order": order,
+            "same_hits": all(p[0].store.ledger.tokens_hit == p[1].store.ledger.tokens_hit
+                             for p in pairs),
+            "failed": sum(loop.failed for p in pairs for loop in p)}

@@ -7,8 +7,11 @@ calls ``match`` (the shared prefix hits), ``allocate`` for the pages the match d
 ``insert`` with only those new blocks, and ``release``. Two phases are timed per size: *fill*,
 from an empty cache (the prefixes cached) to the first eviction, and *steady*, ``--requests``
 requests after it, per operation (``evict`` is the part of ``allocate`` spent choosing and
-demoting victims). ``moved_per_allocated`` is the bytes compaction copied per byte allocated
-during fill.
+demoting victims). A small cache fills in a few dozen requests, too few to time, so the fill
+runs again on fresh systems (the same prompts) until ``--fill-min-requests`` requests have run
+(``fill_repeats`` fills of ``fill_requests`` each; a long fill runs once); its figures are over
+all of them. ``moved_per_allocated`` is the bytes compaction copied per byte allocated during
+fill.
 
 In the same run, a floor: a plain ``dict`` of chained page hashes with an ``OrderedDict`` LRU
 and a free list doing the same bookkeeping (hash once, walk, evict the oldest, hand out ids),
@@ -42,7 +45,13 @@ from typing import Any
 
 import numpy as np
 
-from tierstore.bench._ops_acct import BareLoop, accounting_pair, rise
+from tierstore.bench._ops_acct import (
+    ORDERS,
+    BareLoop,
+    accounting_pair,
+    rise,
+    turn_order,
+)
 from tierstore.bench._ops_vs import ENGINES, System, make_systems
 from tierstore.bench._util import ratio, table
 from tierstore.config import StoreConfig
@@ -81,6 +90,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--accounting-off", action="store_true",
                         help="also run the loop bare on two stores, accounting on and off, "
                              "interleaved: the rise of on over off (tierstore.bench._ops_acct)")
+    parser.add_argument("--pair-order", default="alternate", choices=ORDERS,
+                        help="the accounting pair's order within each turn: swapped every turn "
+                             "(alternate) or on before off every turn (fixed, rounds 5-7)")
+    parser.add_argument("--fill-min-requests", type=int, default=2000,
+                        help="requests each size's fill phase runs at least: a fill shorter "
+                             "than this is repeated on fresh systems, same prompts")
 
 
 class Prompts:
@@ -225,11 +240,18 @@ def _store(layout: ModelLayout, pages: int, per_request: int, device: str,
 
 
 class _Clock:
-    """CPU seconds and requests per system, per phase."""
+    """CPU seconds and requests per system, per phase, and each turn's seconds per system."""
 
-    def __init__(self, systems: list[System]) -> None:
-        self.seconds = {s.name: 0.0 for s in systems}
-        self.requests = {s.name: 0 for s in systems}
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.requests: dict[str, int] = {}
+        self.turns: dict[str, list[float]] = {}
+        self.count = 0  # turns run so far (which of the accounting pair goes first)
+
+    def add(self, name: str, seconds: float, requests: int) -> None:
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+        self.requests[name] = self.requests.get(name, 0) + requests
+        self.turns.setdefault(name, []).append(seconds)
 
     def run(self, system: System, prompts: list[np.ndarray]) -> None:
         step = system.step
@@ -237,95 +259,143 @@ class _Clock:
         start = _now()
         for p in prompts:
             step(p)
-        self.seconds[system.name] += _now() - start
-        self.requests[system.name] += len(prompts)
+        self.add(system.name, _now() - start, len(prompts))
 
     def us(self, name: str) -> float | None:
-        n = self.requests[name]
+        n = self.requests.get(name, 0)
         return self.seconds[name] / n * 1e6 if n else None
+
+
+class _Systems:
+    """One fresh set of a row's systems, warmed with the shared prefixes, and the prompt
+    stream they share (from ``--seed``: every set sees the same prompts)."""
+
+    def __init__(self, layout: ModelLayout, pages: int, args: argparse.Namespace, device: str,
+                 engines: list[str]) -> None:
+        def store(accounting: bool = True) -> TierStore:
+            return _store(layout, pages, args.private_pages, device, accounting)
+
+        self.store = store()
+        self.loop = EngineLoop(self.store)
+        hasher = PageHasher(layout.name, layout.fingerprint, layout.page_size, memo_bytes=0)
+        self.floor = DictFloor(hasher, pages)
+        # The same floor hashing through hashlib, as the issue's floor did: the store's hasher
+        # is compiled where tierstore._c_chain is built, and so is ``floor``'s.
+        self.floor_py = DictFloor(PageHasher(layout.name, layout.fingerprint, layout.page_size,
+                                             memo_bytes=0, native=False), pages, "floor-hashlib")
+        self.others, self.skipped = make_systems(engines, layout, pages) if engines else ([], {})
+        self.pair = accounting_pair(store) if args.accounting_off and device == "meta" else []
+        # The headline: the same store run bare (no clock reads inside a request), as the other
+        # systems are; the pair's accounting-on loop is one when there is a pair.
+        self.bare = self.pair[0] if self.pair else BareLoop("tierstore", store())
+        self.all: list[System] = [self.loop, self.floor, self.floor_py, *self.others,
+                                  *(self.pair if self.pair else [self.bare])]
+        self.prompts = Prompts(layout.page_size, args.shared_pages, args.private_pages,
+                               args.prefixes, args.seed)
+        self.loop.warm(self.prompts.prefixes)
+        for system in self.all[1:]:
+            for shared in self.prompts.prefixes:
+                system.step(shared)
+
+    def fill(self, clock: _Clock, turn: int, order: str) -> tuple[int, int, int]:
+        """Run every system from empty to the store's first eviction, systems taking turns of
+        ``turn`` requests; the requests run, and the bytes compaction moved and allocated."""
+        loop = self.loop
+        before, requests = self.store.arena.stats(), 0
+        while loop.evictions() == 0:  # the store leads each turn; the others follow its prompts
+            prompts = [next(self.prompts) for _ in range(turn)]
+            gc.freeze()
+            start = _now()
+            for i, p in enumerate(prompts):
+                loop.step(p)
+                if loop.evictions():
+                    prompts = prompts[: i + 1]
+                    break
+            clock.add(loop.name, _now() - start, len(prompts))
+            requests += len(prompts)
+            self.turn(clock, prompts, order, self.all[1:])
+        after = self.store.arena.stats()
+        return (requests, after.moved_bytes - before.moved_bytes,
+                after.allocated_bytes - before.allocated_bytes)
+
+    def turn(self, clock: _Clock, prompts: list[np.ndarray], order: str,
+             systems: list[System] | None = None) -> None:
+        """One turn of ``systems`` (all by default) on ``prompts``, the pair in this turn's
+        order."""
+        for system in turn_order(list(systems or self.all), self.pair, clock.count, order):
+            clock.run(system, prompts)
+        clock.count += 1
+
+    @property
+    def same_hits(self) -> bool:
+        return self.bare.store.ledger.tokens_hit == self.store.ledger.tokens_hit
 
 
 def _measure(layout: ModelLayout, pages: int, args: argparse.Namespace, device: str,
              engines: list[str]) -> dict[str, Any]:
-    """One row: fill each system from empty to the store's first eviction, then time the
-    steady state, all on the same prompts, systems taking turns."""
-    store = _store(layout, pages, args.private_pages, device)
-    loop = EngineLoop(store)
-    hasher = PageHasher(layout.name, layout.fingerprint, layout.page_size, memo_bytes=0)
-    floor = DictFloor(hasher, pages)
-    # The same floor hashing through hashlib, as the issue's floor did: the store's hasher
-    # is compiled where tierstore._c_chain is built, and so is ``floor``'s.
-    floor_py = DictFloor(PageHasher(layout.name, layout.fingerprint, layout.page_size,
-                                    memo_bytes=0, native=False), pages, "floor-hashlib")
-    others, skipped = make_systems(engines, layout, pages) if engines else ([], {})
-    pair = accounting_pair(lambda on: _store(layout, pages, args.private_pages, device, on)) \
-        if args.accounting_off and device == "meta" else []
-    # The headline: the same store run bare (no clock reads inside a request), as the other
-    # systems are; the pair's accounting-on loop is one when there is a pair.
-    bare = pair[0] if pair else BareLoop("tierstore", _store(layout, pages, args.private_pages,
-                                                             device))
-    systems: list[System] = [loop, floor, floor_py, *others, *(pair if pair else [bare])]
-    prompts = Prompts(layout.page_size, args.shared_pages, args.private_pages, args.prefixes,
-                      args.seed)
-    loop.warm(prompts.prefixes)
-    for system in systems[1:]:
-        for shared in prompts.prefixes:
-            system.step(shared)
-    fill, fill_requests = _Clock(systems), 0
-    before = store.arena.stats()
-    while loop.evictions() == 0:  # the store leads each turn; the others follow its prompts
-        turn = [next(prompts) for _ in range(args.turn)]
-        gc.freeze()
-        start = _now()
-        for i, p in enumerate(turn):
-            loop.step(p)
-            if loop.evictions():
-                turn = turn[: i + 1]
-                break
-        fill.seconds[loop.name] += _now() - start
-        fill.requests[loop.name] += len(turn)
-        fill_requests += len(turn)
-        for system in systems[1:]:
-            fill.run(system, turn)
-    after = store.arena.stats()
-    fill_ops = {op: s / fill_requests * 1e6 for op, s in loop.seconds.items()}
+    """One row: fill each system from empty to the store's first eviction (on fresh sets of
+    systems until ``--fill-min-requests`` requests have run), then time the steady state on the
+    first set, all on the same prompts, systems taking turns."""
+    order = args.pair_order
+    main = _Systems(layout, pages, args, device, engines)
+    store, loop, bare, pair = main.store, main.loop, main.bare, main.pair
+    fill = _Clock()
+    fill_requests, moved, allocated = main.fill(fill, args.turn, order)
+    # A fill of a small cache is too short to time (~80 requests at 2k pages): repeat it on
+    # fresh sets until the phase has run enough requests; a long fill runs once.
+    repeats = max(1, -(-args.fill_min_requests // fill_requests))
+    fill_ops = dict(loop.seconds)
+    total, failed, same_hits, pairs = fill_requests, 0, True, [pair] if pair else []
+    for _ in range(repeats - 1):
+        extra = _Systems(layout, pages, args, device, engines)
+        n, m, a = extra.fill(fill, args.turn, order)
+        total, moved, allocated = total + n, moved + m, allocated + a
+        for op, seconds in extra.loop.seconds.items():
+            fill_ops[op] += seconds
+        failed += extra.loop.failed + extra.bare.failed
+        same_hits &= extra.same_hits
+        if extra.pair:
+            pairs.append(extra.pair)
+        del extra
+        gc.unfreeze()  # let the collector reclaim the spent set (outside every timed turn)
+        gc.collect()
+    fill_ops = {op: s / total * 1e6 for op, s in fill_ops.items()}
     loop.seconds = dict.fromkeys(OPS, 0.0)
     evictions = loop.evictions()
-    steady = _Clock(systems)
+    steady = _Clock()
     left = args.requests
     while left > 0:
-        turn = [next(prompts) for _ in range(min(args.turn, left))]
+        turn = [next(main.prompts) for _ in range(min(args.turn, left))]
         left -= len(turn)
-        for system in systems:
-            steady.run(system, turn)
+        main.turn(steady, turn, order)
     n = args.requests
     per_op = {op: s / n * 1e6 for op, s in loop.seconds.items()}
     store.check_integrity()
-    moved = after.moved_bytes - before.moved_bytes
-    allocated = after.allocated_bytes - before.allocated_bytes
     us, fill_us = steady.us(bare.name), fill.us(bare.name)
+    floor, floor_py, others = main.floor, main.floor_py, main.others
     row: dict[str, Any] = {
         "pages": pages, "cached_pages": store.index.num_pages, "device": device,
-        "fill_requests": fill_requests, "fill_us_per_request": fill_us,
-        "fill_timed_us_per_request": fill.us(loop.name),
+        "fill_requests": fill_requests, "fill_repeats": repeats, "fill_requests_total": total,
+        "fill_us_per_request": fill_us, "fill_timed_us_per_request": fill.us(loop.name),
         **{f"fill_us_{op}": v for op, v in fill_ops.items()},
         "moved_per_allocated": ratio(moved, allocated),
         "us_per_request": us, "timed_us_per_request": steady.us(loop.name),
         **{f"us_{op}": v for op, v in per_op.items()},
         "evictions_per_request": (loop.evictions() - evictions) / n,
-        "failed": loop.failed + bare.failed,
-        "same_hits": bare.store.ledger.tokens_hit == store.ledger.tokens_hit,
+        "failed": loop.failed + bare.failed + failed,
+        "same_hits": same_hits and main.same_hits,
         "floor_us_per_request": steady.us(floor.name),
         "vs_floor": ratio(us, steady.us(floor.name)),
         "floor_hashlib_us_per_request": steady.us(floor_py.name),
         "vs_floor_hashlib": ratio(us, steady.us(floor_py.name)),
         "systems": {s.name: {"fill_us_per_request": fill.us(s.name),
                              "us_per_request": steady.us(s.name),
-                             "evictions": s.evictions()} for s in systems},
-        "skipped": skipped,
+                             "evictions": s.evictions()} for s in main.all},
+        "skipped": main.skipped,
     }
     if pair:
-        row["accounting"] = {"steady": rise(pair, steady.us), "fill": rise(pair, fill.us)}
+        row["accounting"] = {"steady": rise([pair], steady, order),
+                             "fill": rise(pairs, fill, order)}
     for s in others:
         row[f"vs_{s.name}"] = ratio(us, steady.us(s.name))
         row[f"fill_vs_{s.name}"] = ratio(fill_us, fill.us(s.name))
@@ -340,6 +410,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     unknown = sorted(set(engines) - set(ENGINES))
     if unknown:
         raise SystemExit(f"bench ops: unknown --vs engine(s) {unknown}; known: {list(ENGINES)}")
+    if args.fill_min_requests < 0:
+        raise SystemExit(f"bench ops: --fill-min-requests {args.fill_min_requests} < 0")
     rows = [_measure(layout, s, args, "meta", engines) for s in sizes]
     if args.real_pages:
         scaled = scale_layout(layout, 1 / 2048).layout
@@ -353,13 +425,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                  if k.startswith("vs_") and k not in ("vs_floor", "vs_floor_hashlib")})
     return {"model": args.model, "page_size": args.page_size,
             "pages_per_request": args.shared_pages + args.private_pages,
-            "prefixes": args.prefixes, "requests": args.requests, "rows": rows,
+            "prefixes": args.prefixes, "requests": args.requests,
+            "fill_min_requests": args.fill_min_requests, "pair_order": args.pair_order,
+            "rows": rows,
             "growth": growth("us_per_request"), "fill_growth": growth("fill_us_per_request"),
             "max_us_per_request": max(r["us_per_request"] for r in meta) if meta else None,
             "max_vs_floor": _max(r["vs_floor"] for r in meta),
             "max_vs_floor_hashlib": _max(r["vs_floor_hashlib"] for r in meta),
             "max_accounting_rise": _max(r["accounting"]["steady"]["rise"] for r in meta
                                         if "accounting" in r),
+            "max_accounting_rise_median": _max(r["accounting"]["steady"]["rise_median"]
+                                               for r in meta if "accounting" in r),
             **{f"max_{k}": _max(r.get(k) for r in meta) for k in vs},
             "skipped": {k: v for r in meta for k, v in r["skipped"].items()}}
 
@@ -372,7 +448,8 @@ def render(result: dict[str, Any]) -> str:
     head = (f"{result['model']}, {result['pages_per_request']} pages of "
             f"{result['page_size']} tokens per request ({result['prefixes']} shared prefixes), "
             f"{result['requests']} timed steady requests per size; µs per request (thread CPU)")
-    fill = ["pages", "device", "fill_requests", "fill_us_per_request", "fill_timed_us_per_request",
+    fill = ["pages", "device", "fill_requests", "fill_repeats", "fill_us_per_request",
+            "fill_timed_us_per_request",
             *(f"fill_us_{op}" for op in OPS), "moved_per_allocated"]
     steady = ["pages", "device", "us_per_request", "timed_us_per_request",
               *(f"us_{op}" for op in OPS),
@@ -383,13 +460,14 @@ def render(result: dict[str, Any]) -> str:
              **{n: _fmt(r["systems"].get(n, {}).get(key)) for n in names}}
             for r in result["rows"] if r["device"] == "meta"
             for phase, key in (("fill", "fill_us_per_request"), ("steady", "us_per_request"))]
-    lines = [head, "fill (empty cache to the first eviction):", table(result["rows"], fill),
+    lines = [head, f"fill (empty cache to the first eviction), run on fresh systems until "
+                   f"{result['fill_min_requests']} requests:", table(result["rows"], fill),
              "steady state:", table(result["rows"], steady),
              "same prompts, systems interleaved (µs per request):",
              table(side, ["pages", "phase", *names])]
     lines += [f"skipped {name}: {why}" for name, why in result["skipped"].items()]
-    lines += [f"accounting on/off at {r['pages']} pages: steady "
-              f"{_pct(r['accounting']['steady'])}, fill {_pct(r['accounting']['fill'])}"
+    lines += [f"accounting on/off at {r['pages']} pages ({result['pair_order']} order): steady "
+              f"{_pct(r['accounting']['steady'])}; fill {_pct(r['accounting']['fill'])}"
               for r in result["rows"] if "accounting" in r]
     for key, label in (("fill_growth", "fill"), ("growth", "steady")):
         if result[key]:
@@ -402,6 +480,15 @@ def _fmt(value: float | None) -> str:
 
 
 def _pct(figures: dict[str, Any]) -> str:
-    """One accounting on/off figure: the rise, and whether both stores hit alike."""
+    """One accounting on/off figure: the total rise, the per-turn median and quartiles, the rise
+    by which side went first, and whether both stores hit alike."""
     same = "" if figures["same_hits"] else " (hits differ!)"
-    return "n/a" if figures["rise"] is None else f"{figures['rise']:+.1%}{same}"
+    if figures["rise"] is None:
+        return "n/a"
+
+    def pct(key: str) -> str:
+        return "n/a" if figures[key] is None else f"{figures[key]:+.1%}"
+
+    return (f"{pct('rise')} (per turn: median {pct('rise_median')}, IQR {pct('rise_q1')} to "
+            f"{pct('rise_q3')}, {figures['turns']} turns; on first {pct('rise_on_first')}, "
+            f"off first {pct('rise_off_first')}){same}")
