@@ -80,6 +80,7 @@ class Arena:
             max_slots = (capacity_bytes - origin) // spec.unit_bytes
             lo = max_slots if spec.anchor == "high" else 0
             self._pools[spec.name] = Pool(spec, origin, max_slots, lo)
+        self._pool_list = list(self._pools.values())
         by_anchor = {p.anchor: p for p in self._pools.values()}
         self._low, self._float, self._high = (by_anchor.get(a) for a in ("low", "float", "high"))
         self._fences = Fences(self._pools)
@@ -152,9 +153,16 @@ class Arena:
         if fenced:  # retired only once the request is known good: bad input changes nothing
             self._fences.retire()
             short = any(n > pools[name].num_holes for name, n in request.items())
-        # Holes alone hold it: no plan needed (a plan would find the same).
-        return not short or fits(self._low, self._float, self._high, self.capacity_bytes,
-                                 request)
+        if not short:  # holes alone hold it: no plan needed (a plan would find the same)
+            return True
+        # Bands never overlap and each keeps at least its occupied slots plus its part of the
+        # request, so past the capacity no plan exists: the steady state of a full cache (it
+        # evicts) answers here without planning.
+        need = 0
+        for p in self._pool_list:
+            need += (p.num_live + p.num_pending + request.get(p.name, 0)) * p.unit
+        return need <= self.capacity_bytes and fits(self._low, self._float, self._high,
+                                                    self.capacity_bytes, request)
 
     def max_alloc(self, pool: str) -> int:
         """The most blocks of ``pool`` one allocation could get now (after compaction). Changes

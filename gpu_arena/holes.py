@@ -32,7 +32,9 @@ class HoleHeap:
         self._owner, self._readers, self._writers = owner, readers, writers
         # Item access as plain ints (~50 ns against ~100 ns through numpy).
         self._owner_mv, self._readers_mv, self._writers_mv = owner.data, readers.data, writers.data
-        self._ordered = True  # `entries` is a heap (appends below SORTED_UP_TO may break it)
+        # `entries` is a heap (appends below SORTED_UP_TO may break it). Public: the pool's hot
+        # paths run the sorted-list cases of take_bind and add_keys themselves, and set it.
+        self.ordered = True
         self._loops = loops  # the sorted-list take's loop (compiled where built)
 
     def __len__(self) -> int:
@@ -56,11 +58,11 @@ class HoleHeap:
         entries = self.entries
         if len(entries) + len(keys) <= SORTED_UP_TO:
             entries.extend(keys)  # ordered by the next take's sort
-            self._ordered = False
-        elif not self._ordered or len(entries) <= 4 * len(keys):
+            self.ordered = False
+        elif not self.ordered or len(entries) <= 4 * len(keys):
             entries.extend(keys)  # one C heapify beats k pushes here
             heapq.heapify(entries)
-            self._ordered = True
+            self.ordered = True
         else:
             push = heapq.heappush
             for key in keys:
@@ -75,11 +77,11 @@ class HoleHeap:
             return [], 0
         if len(entries) <= SORTED_UP_TO:
             # A sorted list is a heap, and so is what follows a prefix of it.
-            self._ordered = True
+            self.ordered = True
             return self._loops.take(entries, self.sign, lo, hi, n, fenced)
-        if not self._ordered:
+        if not self.ordered:
             heapq.heapify(entries)
-            self._ordered = True
+            self.ordered = True
         return first_holes(_popping(entries), self.sign, lo, hi, n, fenced, self._owner_mv,
                            self._readers_mv, self._writers_mv)
 
@@ -90,7 +92,7 @@ class HoleHeap:
         were found) and the entries read."""
         entries = self.entries
         if n > 0 and entries and len(entries) <= SORTED_UP_TO:
-            self._ordered = True  # sorted by the take: a heap
+            self.ordered = True  # sorted by the take: a heap
             return self._loops.take_bind(entries, self.sign, lo, hi, n, fenced, top)
         slots, used = self.take(lo, hi, n, fenced)
         return (self._loops.bind(slots, top) if len(slots) == n else None), used
@@ -110,7 +112,7 @@ class HoleHeap:
         entries[:] = (slots * self.sign).tolist()
         if self.sign < 0:
             entries.reverse()  # ascending keys: sorted, so a heap
-        self._ordered = True
+        self.ordered = True
         return read
 
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from gpu_arena.holes import HoleHeap
+from gpu_arena.holes import SORTED_UP_TO, HoleHeap
 from gpu_arena.slots import SlotLoops, slot_loops
 from gpu_arena.spec import IntegrityError, PoolSpec
 
@@ -129,8 +129,15 @@ class Pool:
         alloc: reuse what eviction freed); returns the ids."""
         assert n <= self.hi - self.lo - self.num_live - self.num_pending, \
             f"pool {self.name}: {n} holes wanted, {self.num_holes} exist"
-        ids, used = self._holes.take_bind(self.lo, self.hi, n, self.fenced_refs != 0,
-                                          self.num_free_ids)
+        holes = self._holes
+        entries = holes.entries
+        if n and entries and len(entries) <= SORTED_UP_TO:  # the sorted-list take, one call
+            holes.ordered = True  # (sorted by the take: a heap)
+            ids, used = self._loops.take_bind(entries, holes.sign, self.lo, self.hi, n,
+                                              self.fenced_refs != 0, self.num_free_ids)
+        else:
+            ids, used = holes.take_bind(self.lo, self.hi, n, self.fenced_refs != 0,
+                                        self.num_free_ids)
         self.visited += used
         assert ids is not None, f"pool {self.name}: hole heap found fewer than {n} holes"
         self.num_free_ids -= n  # (_bound, inlined on the store's path)
@@ -242,11 +249,16 @@ class Pool:
         self.num_pending += pending
         if self.changed is not None:
             self._log(ids)
-        holes = self._holes  # (_sweep_before, inlined on the store's path)
-        if len(holes.entries) > 2 * (self.hi - self.lo - self.num_live - self.num_pending + n) \
+        holes = self._holes  # (_sweep_before and add_keys' common case, inlined: hot path)
+        entries = holes.entries
+        if len(entries) > 2 * (self.hi - self.lo - self.num_live - self.num_pending + n) \
                 + self.sweep_slack:
             self.visited += holes.sweep(self.lo, self.hi, self.fenced_refs != 0)
-        holes.add_keys(keys)
+        if len(entries) + n <= SORTED_UP_TO:
+            entries.extend(keys)  # ordered by the next take's sort
+            holes.ordered = False
+        else:
+            holes.add_keys(keys)
         return keys, low, high
 
     def release_array(self, ids: np.ndarray) -> np.ndarray:

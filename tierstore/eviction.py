@@ -115,14 +115,18 @@ class EvictionQueue(Generic[N]):
     A heap with lazy deletion: each node records the stamp of its live entry in
     ``node.queued[tier - 1]`` (0: not queued); re-keying pushes a new entry and the old one goes
     stale. Stale entries are dropped when they reach the top, and the heap is rebuilt when
-    they outnumber live ones, so push, discard and peek are O(log n) amortised."""
+    they outnumber live ones, so push, discard and peek are O(log n) amortised.
+
+    An entry is the policy's key spliced flat with ``(serial, stamp, node)``: every key of one
+    policy has the same length, so the order is that of ``(key, serial, stamp)``, and a heap
+    step compares floats and ints instead of nested tuples."""
 
     def __init__(self, tier: int, key: Callable[[N], tuple[float, ...]]) -> None:
         self.tier = tier
         self.key = key
         self.size = 0  # live entries
         self._t = tier - 1
-        self._heap: list[tuple[tuple[float, ...], int, int, N]] = []
+        self._heap: list[tuple[Any, ...]] = []  # (*key, serial, stamp, node)
         self._stamps = itertools.count(1)
 
     def push(self, node: N) -> None:
@@ -131,7 +135,7 @@ class EvictionQueue(Generic[N]):
             self.size += 1
         stamp = next(self._stamps)
         node.queued[self._t] = stamp
-        heapq.heappush(self._heap, (self.key(node), node.serial, stamp, node))
+        heapq.heappush(self._heap, self.key(node) + (node.serial, stamp, node))
         if len(self._heap) > 2 * self.size + 64:
             self._heap = self._live()
             heapq.heapify(self._heap)
@@ -146,19 +150,20 @@ class EvictionQueue(Generic[N]):
         """The first candidate, or None."""
         heap, t = self._heap, self._t
         while heap:
-            _, _, stamp, node = heap[0]
-            if node.queued[t] == stamp:
+            entry = heap[0]
+            node = entry[-1]
+            if node.queued[t] == entry[-2]:
                 return node
             heapq.heappop(heap)
         return None
 
     def members(self) -> list[N]:
         """Every queued node, in no particular order."""
-        return [entry[3] for entry in self._live()]
+        return [entry[-1] for entry in self._live()]
 
-    def _live(self) -> list[tuple[tuple[float, ...], int, int, N]]:
+    def _live(self) -> list[tuple[Any, ...]]:
         t = self._t
-        return [e for e in self._heap if e[3].queued[t] == e[2]]
+        return [e for e in self._heap if e[-1].queued[t] == e[-2]]
 
 
 def victims(index: CandidateIndex[N], tier: int, accept: Callable[[N], bool]) -> Iterator[N]:

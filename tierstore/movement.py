@@ -61,6 +61,10 @@ class Mover:
         self._window = layout.swa_window_pages()  # (read on every match)
         self._swa, self._state = "swa" in self.page_kinds, "state" in self.kinds
         self.prefetch = Prefetcher(self) if remote is not None else None
+        # L1's eviction queue, peeked directly on the hot path (one call less than next_victim)
+        self._l1_queue = index.queues[Tier.L1]
+        # Whether an L1 eviction copies anywhere (else it only frees: the common engine setup)
+        self._lower = host is not None or disk is not None or remote is not None
         # Told (page keys, tier) of every node dropped from the last tier holding it.
         self.on_drop: Callable[[list[bytes], int], None] | None = None
 
@@ -68,19 +72,20 @@ class Mover:
     def make_room(self, demand: Mapping[str, int]) -> bool:
         """Evict (demote) unlocked L1 leaves until ``demand`` fits, per the stopping rule."""
         arena = self.arena
-        if arena.can_alloc(demand):
+        can_alloc = arena.can_alloc
+        if can_alloc(demand):
             return True
-        index = self.index
+        peek = self._l1_queue.peek  # (index.next_victim(L1), without its call)
         if self.config.stop_rule == "unified":  # StopCondition's unified rule, without it
-            while (leaf := index.next_victim(_L1)) is not None:
+            while (leaf := peek()) is not None:
                 self.evict_l1(leaf)
                 assert not leaf.holds(_L1), "an evicted node still holds L1 blocks"
-                if arena.can_alloc(demand):
+                if can_alloc(demand):
                     return True
-            return arena.can_alloc(demand)  # (a fence may have retired since)
+            return can_alloc(demand)  # (a fence may have retired since)
         stop = StopCondition(self.config.stop_rule, demand, lambda: arena.can_alloc(demand),
                              arena.max_alloc)
-        while (leaf := index.next_victim(Tier.L1)) is not None:
+        while (leaf := peek()) is not None:
             stop.freed(self.evict_l1(leaf))
             assert not leaf.holds(Tier.L1), "an evicted node still holds L1 blocks"
             if stop.satisfied():
@@ -89,11 +94,12 @@ class Mover:
 
     def evict_l1(self, node: Node) -> dict[str, int]:
         """Demote ``node``'s L1 data (to L2, else L3), free it; blocks freed per kind."""
-        kept = self.host is not None and self._to_l2(node)
-        if not kept and self.disk is not None:
-            kept = self.disk.store(self, node, Tier.L1)
-        if not kept and self.remote is not None:
-            self._to_l3(node, Tier.L1)
+        if self._lower:
+            kept = self.host is not None and self._to_l2(node)
+            if not kept and self.disk is not None:
+                kept = self.disk.store(self, node, Tier.L1)
+            if not kept and self.remote is not None:
+                self._to_l3(node, Tier.L1)
         freed = self._release(node, _L1)
         self.ledger.evicted_from_l1(freed)
         self._prune(node, Tier.L1)
@@ -209,23 +215,29 @@ class Mover:
             assert self.disk is not None
             return self.disk.release(self.index, node)
         arena = self.arena if tier == _L1 else self.host.arena  # type: ignore[union-attr]
-        removed = self.index.clear(node, tier)
-        for kind, ids in removed.items():
-            if ids:
-                arena.free_owned(kind, ids)  # the index named them: live, held once
-        return {k: len(ids) for k, ids in removed.items() if k in self.kinds}
+        free, kinds = arena.free_owned, self.kinds
+        freed: dict[str, int] = {}
+        for kind, ids in self.index.clear(node, tier).items():
+            if ids:  # (only the layout's kinds hold blocks)
+                free(kind, ids)  # the index named them: live, held once
+                freed[kind] = len(ids)
+            elif kind in kinds:
+                freed[kind] = 0
+        return freed
 
     def _prune(self, node: Node, tier: int) -> None:
         """Drop ``node`` and emptied ancestors once no tier holds anything of them (``tier``
         dropped them last: :attr:`on_drop` hears of their page keys)."""
         n: Node | None = node
-        root = self.index.root
+        index = self.index
+        root = index.root
         while (n is not None and n is not root and not n.children and n.lock == 0
                and not n.holds_any()):
             parent = n.parent
-            if self.on_drop is not None:
-                self.on_drop(n.keys, tier)
-            self.index.remove_leaf(n)
+            on_drop = self.on_drop  # (read each time: a benchmark may wrap it)
+            if on_drop is not None:
+                on_drop(n.keys, tier)
+            index.remove_leaf(n)
             n = parent
 
     # ------------------------------------------------------------------ promotion

@@ -233,11 +233,19 @@ class RadixIndex:
         if type(columns) is _Absent:  # never written: holds no page
             out = {kind: [] for kind in columns}
         else:
+            n = len(node.keys)
+            # Page entries held (the counts say it: columns left held whole or empty need no
+            # scan for ABSENT) and page entries in the columns not read yet.
+            left, rest = node._held[t] - (node._state[t] >= 0), n * len(columns)
             for kind, column in columns.items():  # private columns are lists
-                # held whole: the column is the list to hand back
-                out[kind] = column if ABSENT not in column \
-                    else [v for v in column if v >= 0]  # type: ignore[assignment]
-            node._pages[t] = _absent(len(node.keys))
+                if left == rest or (left and ABSENT not in column):
+                    out[kind] = column  # type: ignore[assignment]  # held whole: handed back
+                    left -= n
+                else:
+                    out[kind] = [v for v in column if v >= 0] if left else []
+                    left -= len(out[kind])
+                rest -= n
+            node._pages[t] = _absent(n)
         sid = node._state[t]
         out[CHECKPOINT] = [sid] if sid >= 0 else []
         node._state[t] = ABSENT
@@ -332,6 +340,34 @@ class RadixIndex:
         self.num_pages += len(keys)
         if entries:
             self.fill(leaf, tier, entries)
+        return leaf
+
+    def grow(self, parent: Node, keys: list[bytes], tier: int, columns: dict[str, list[int]],
+             touch: Callable[[Node], None]) -> Node:
+        """:meth:`extend` then :meth:`fill` for an insert's new leaf, with ``touch(leaf)`` in
+        between (the leaf joins its eviction queue once, at its touched key). ``keys`` and
+        ``columns`` (every page kind, entries >= 0 or ABSENT) become the leaf's own lists: the
+        caller hands them over and keeps no reference it writes to."""
+        assert keys and keys[0] not in parent.children, "grow needs a fresh branch"
+        n = len(keys)
+        leaf = Node(parent, parent.depth + len(parent.keys), keys)
+        leaf.last_use, leaf.priority = parent.last_use, parent.priority
+        parent.children[keys[0]] = leaf
+        self.num_nodes += 1
+        self.num_pages += n
+        touch(leaf)
+        t = tier - 1
+        held = 0
+        for kind, values in columns.items():
+            assert len(values) == n, f"{kind}: {len(values)} entries, {n} pages"
+            held += n - values.count(ABSENT)
+        assert columns.keys() == leaf._pages[t].keys(), f"columns {list(columns)}"
+        leaf._pages[t] = columns
+        if held:  # _count for a leaf that held nothing in the tier: the parent gains a child
+            leaf._held[t] = held
+            parent._child_held[t] += 1
+            self._refresh(parent, t)
+            self._refresh(leaf, t)
         return leaf
 
     def fill(self, node: Node, tier: int, entries: dict[str, list[int]]) -> None:

@@ -38,7 +38,7 @@ def _state(arena: Arena) -> tuple[object, ...]:
     pools = []
     for p in arena._pools.values():
         pools.append((p.loc.tolist(), p.owner.tolist(), p.free_ids[: p.num_free_ids].tolist(),
-                      list(p._holes.entries), p._holes._ordered, p.lo, p.hi, p.num_live,
+                      list(p._holes.entries), p._holes.ordered, p.lo, p.hi, p.num_live,
                       p.num_pending, p.num_free_ids, p.allocated, p.moves, p.visited))
     return tuple(pools), arena.stats()
 
