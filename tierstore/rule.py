@@ -120,6 +120,42 @@ def cut(path: Sequence[Segment], pages: int) -> list[Segment]:
     return out
 
 
+def held_in_l1(path: Sequence[Segment], *, swa: bool, state: bool
+               ) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+    """The common hit in one pass: when L1 holds every ``kv`` entry of a non-empty ``path``
+    (every ``swa`` entry too with ``swa``; with ``state``, the path ends a node whose checkpoint
+    L1 holds), its length in pages and its :func:`l1_ids` of ``kv`` and ``swa``; else None.
+
+    Then :func:`usable` accepts the whole path for any tiers that include L1, and L1 holds all
+    a promotion would bring up (:meth:`~tierstore.movement.Mover.promote` has nothing to do).
+    Changes nothing."""
+    if not path:
+        return None
+    if state:
+        last = path[-1]
+        if last.pages != len(last.node.keys) or last.node.checkpoint(_L1) < 0:
+            return None
+    kv, sw = array("q"), array("q")
+    pos = 0
+    for seg in path:
+        n, p = seg.node, seg.pages
+        col = n.ids(_L1, "kv")
+        if p != len(col):
+            col = col[:p]
+        if ABSENT in col:
+            return None
+        scol = n.ids(_L1, "swa")
+        if p != len(scol):
+            scol = scol[:p]
+        if swa and ABSENT in scol:
+            return None
+        kv.extend(col)
+        sw.extend(scol)
+        pos += p
+    return (pos, torch.frombuffer(kv, dtype=torch.long),
+            torch.frombuffer(sw, dtype=torch.long))
+
+
 def l1_ids(path: Sequence[Segment], kind: str) -> torch.Tensor:
     """The L1 entries of ``kind`` along ``path`` as a long tensor (built from a C array: a
     ``torch.tensor`` of a list costs several times more)."""

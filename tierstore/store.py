@@ -157,6 +157,18 @@ class TierStore:
         why: Explanation | None = None
         plans: list[tuple[int, str]] = []  # (pages planned, promotion status) per try
         path = self.index.walk(keys)
+        held = rule.held_in_l1(path, swa=self._swa, state=self._state)
+        if held is not None:  # the common hit: L1 holds the whole path, the rule keeps it all
+            pages = held[0]
+            why = self.attribution.explain(path, keys, pages if full is None else full)
+            node = self.index.node_ending_at(path)  # (a split keeps the ids held found)
+            self.index.lock(node, +1)
+            # nothing to promote: what Mover.promote returns for it
+            sources = {1: pages, 2: 0, 3: 0, 4: 0} if self.disk is not None \
+                else {1: pages, 2: 0, 3: 0}
+            return self._hit(node, path, pages, pages, sources, priority,
+                             self.attribution.settle(namespace, len(toks), len(keys), why,
+                                                     [(pages, "ok")], pages, sources), held)
         found = 0
         for attempt in range(4):
             if attempt:  # the failed try changed the index (splits, absent marks)
@@ -196,8 +208,10 @@ class TierStore:
 
     def _hit(self, node: Node, path: list[Segment], pages: int, found: int,
              sources: dict[int, int], priority: int,
-             lost: tuple[dict[str, int], dict[str, int]]) -> MatchResult:
-        """Build the result of a promoted, locked prefix and count it per tier."""
+             lost: tuple[dict[str, int], dict[str, int]],
+             held: tuple[int, torch.Tensor, torch.Tensor] | None = None) -> MatchResult:
+        """Build the result of a promoted, locked prefix and count it per tier (``held``:
+        :func:`rule.held_in_l1` of it, when L1 held it all)."""
         self._touch(node, priority, hit=True)
         page = self.layout.page_size
         if sources[1] == pages and 4 not in sources:  # all from L1: the common hit
@@ -211,9 +225,10 @@ class TierStore:
                 if n.hits == self.config.write_through_hits:
                     self.mover.backup(n)
         state = node.checkpoint(Tier.L1) if self._state else None
-        return match_result(pages * page, pages, rule.l1_ids(path, "kv"),
-                            rule.l1_ids(path, "swa"), state, Lease(node, self), found, tiers,
-                            *lost)
+        kv, swa = (held[1], held[2]) if held is not None \
+            else (rule.l1_ids(path, "kv"), rule.l1_ids(path, "swa"))
+        return match_result(pages * page, pages, kv, swa, state, Lease(node, self), found,
+                            tiers, *lost)
 
     def read_prefix(self, tokens: object, namespace: str = "default") -> PrefixRead:
         """:meth:`match`, then the matched rows pinned for reading (see
