@@ -88,12 +88,11 @@ def link(index: RadixIndex, keys: list[bytes], path: list[Segment],
                 spare["swa"].append(new_swa[i])
                 new_swa[i] = ABSENT
                 dropped += 1
-        end = index.extend(end, keys[cached:])
-        touch(end)  # before its entries: the leaf is queued once, already re-keyed
-        touched = True
-        index.fill(end, l1, {"kv": new_kv, "swa": new_swa})
+        # the kept ids first: the lists become the leaf's columns
         kept["kv"] += new_kv if ABSENT not in new_kv else [i for i in new_kv if i >= 0]
         kept["swa"] += new_swa if ABSENT not in new_swa else [i for i in new_swa if i >= 0]
+        end = index.grow(end, keys[cached:], l1, {"kv": new_kv, "swa": new_swa}, touch)
+        touched = True
     checkpoint = False
     if state_ids is not None:
         sid = state_ids[0]

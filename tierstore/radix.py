@@ -342,7 +342,7 @@ class RadixIndex:
             self.fill(leaf, tier, entries)
         return leaf
 
-    def grow(self, parent: Node, keys: list[bytes], tier: int, columns: dict[str, list[int]],
+    def grow(self, parent: Node, keys: list[bytes], tier: int, columns: dict[str, Sequence[int]],
              touch: Callable[[Node], None]) -> Node:
         """:meth:`extend` then :meth:`fill` for an insert's new leaf, with ``touch(leaf)`` in
         between (the leaf joins its eviction queue once, at its touched key). ``keys`` and
