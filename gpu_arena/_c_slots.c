@@ -278,7 +278,9 @@ static PyObject *slotloops_take(PyObject *op, PyObject *const *args, Py_ssize_t 
     return out;
 }
 
-/* take_bind(entries, sign, lo, hi, n, fenced, top) -> (ids or None, used) */
+/* take_bind(entries, sign, lo, hi, n, fenced, top) -> (ids or None, used, packed): packed is
+ * the ids as native int64 bytes (a bytearray: torch.frombuffer makes the caller's tensor from
+ * it without converting the ints again), None with ids */
 static PyObject *slotloops_take_bind(PyObject *op, PyObject *const *args, Py_ssize_t nargs) {
     SlotLoops *self = (SlotLoops *)op;
     PyObject *entries;
@@ -303,21 +305,30 @@ static PyObject *slotloops_take_bind(PyObject *op, PyObject *const *args, Py_ssi
         }
     }
     Py_ssize_t size = PyList_GET_SIZE(entries);
-    if (n == 0 || size == 0) {
-        return n == 0 ? Py_BuildValue("(Ni)", PyList_New(0), 0) : Py_BuildValue("(Oi)", Py_None, 0);
+    if (n == 0) {
+        PyObject *none = PyList_New(0), *bytes = PyByteArray_FromStringAndSize(NULL, 0);
+        if (none == NULL || bytes == NULL) {
+            Py_XDECREF(none);
+            Py_XDECREF(bytes);
+            return NULL;
+        }
+        return Py_BuildValue("(NiN)", none, 0, bytes);
+    }
+    if (size == 0) {
+        return Py_BuildValue("(OiO)", Py_None, 0, Py_None);
     }
     int64_t small[SMALL];
     int64_t *found = scratch(small, SMALL, (Py_ssize_t)n);
     if (found == NULL) {
         return NULL;
     }
-    PyObject *out = NULL, *ids = NULL;
+    PyObject *out = NULL, *ids = NULL, *packed = NULL;
     Py_ssize_t k, used;
     if (take_core(self, entries, sign, lo, hi, (Py_ssize_t)n, fenced, found, &k, &used) < 0) {
         goto done;
     }
     if (k < n) {
-        out = Py_BuildValue("(On)", Py_None, used);
+        out = Py_BuildValue("(OnO)", Py_None, used, Py_None);
         goto done;
     }
     for (Py_ssize_t j = 0; j < (Py_ssize_t)n; j++) { /* an entry's __index__ may have run */
@@ -332,20 +343,27 @@ static PyObject *slotloops_take_bind(PyObject *op, PyObject *const *args, Py_ssi
     if (ids == NULL) {
         goto done;
     }
+    packed = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)n * (Py_ssize_t)sizeof(int64_t));
+    if (packed == NULL) {
+        Py_CLEAR(ids);
+        goto done;
+    }
+    int64_t *raw = (int64_t *)PyByteArray_AS_STRING(packed);
     for (Py_ssize_t j = 0; j < (Py_ssize_t)n; j++) {
-        PyObject *v = PyLong_FromLongLong(self->free_ids[top - 1 - j]);
+        raw[j] = self->free_ids[top - 1 - j];
+        PyObject *v = PyLong_FromLongLong(raw[j]);
         if (v == NULL) {
             Py_CLEAR(ids);
+            Py_CLEAR(packed);
             goto done;
         }
         PyList_SET_ITEM(ids, j, v);
     }
     for (Py_ssize_t j = 0; j < (Py_ssize_t)n; j++) {
-        int64_t id = self->free_ids[top - 1 - j];
-        self->loc[id] = found[j];
-        self->owner[found[j]] = id;
+        self->loc[raw[j]] = found[j];
+        self->owner[found[j]] = raw[j];
     }
-    out = Py_BuildValue("(Nn)", ids, used);
+    out = Py_BuildValue("(NnN)", ids, used, packed);
 done:
     if (found != small) {
         PyMem_Free(found);
@@ -524,8 +542,9 @@ static PyMethodDef slotloops_methods[] = {
      "take(entries, sign, lo, hi, n, fenced) -> (slots, used): sort the hole-heap keys and "
      "take off their front the first n holes of [lo, hi)."},
     {"take_bind", (PyCFunction)(void (*)(void))slotloops_take_bind_guarded, METH_FASTCALL,
-     "take_bind(entries, sign, lo, hi, n, fenced, top) -> (ids, used): take n holes and bind "
-     "ids to them; ids is None (nothing bound) when fewer than n were found."},
+     "take_bind(entries, sign, lo, hi, n, fenced, top) -> (ids, used, packed): take n holes "
+     "and bind ids to them; ids is None (nothing bound) when fewer than n were found; packed: "
+     "the ids as native int64 bytes (a bytearray), None with ids."},
     {"bind", (PyCFunction)(void (*)(void))slotloops_bind_guarded, METH_FASTCALL,
      "bind(slots, top) -> ids: pop ids off the free stack and bind them to slots."},
     {"release", (PyCFunction)(void (*)(void))slotloops_release_guarded, METH_FASTCALL,

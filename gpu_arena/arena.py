@@ -15,6 +15,7 @@ from gpu_arena.fence import Fence, FenceMode, Fences
 from gpu_arena.ids import IdsLike, checked_ids
 from gpu_arena.planner import Plan, ceil_div, fits, plan
 from gpu_arena.pool import Pool
+from gpu_arena.slots import packed
 from gpu_arena.spec import ALIGN, ANCHORS, ArenaError, IntegrityError, PoolSpec
 from gpu_arena.stats import ArenaStats, PoolStats
 from gpu_arena.views import Views
@@ -118,8 +119,15 @@ class Arena:
         return torch.from_numpy(p.bind_array(slots))
 
     def alloc_ids(self, pool: str, n: int) -> list[int] | None:
-        """:meth:`alloc` with the ids as a list (the store's path: no tensor to build and
-        convert back). Same checks, same effect, same ``None``."""
+        """:meth:`alloc` with the ids as a list (no tensor to build and convert back). Same
+        checks, same effect, same ``None``."""
+        got = self.alloc_packed(pool, n)
+        return None if got is None else got[0]
+
+    def alloc_packed(self, pool: str, n: int) -> tuple[list[int], bytearray] | None:
+        """:meth:`alloc_ids`, the ids also packed as native int64 bytes (the store's path:
+        ``torch.frombuffer`` makes its tensor of them without converting the ints again).
+        Same checks, same effect, same ``None``."""
         p = self._pools.get(pool)
         if p is None:
             p = self._pool(pool)  # raises, naming the pools
@@ -130,11 +138,16 @@ class Arena:
         if n <= p.hi - p.lo - p.num_live - p.num_pending:  # the steady state: reuse holes
             if n <= p.small_batch:
                 return p.alloc_holes(n)
-            return p.bind_array(np.asarray(p.take_holes(n), dtype=np.int64)).tolist()
+            ids = p.bind_array(np.asarray(p.take_holes(n), dtype=np.int64))
+            return ids.tolist(), bytearray(ids)
         slots = self._grow(p, n)
         if slots is None:
             return None
-        return p.bind(slots) if isinstance(slots, list) else p.bind_array(slots).tolist()
+        if isinstance(slots, list):
+            got = p.bind(slots)
+            return got, packed(got)
+        ids = p.bind_array(slots)
+        return ids.tolist(), bytearray(ids)
 
     def can_alloc(self, request: Mapping[str, int]) -> bool:
         """Whether allocating all of ``request`` ({pool: n}) would succeed, counting the gap and

@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from gpu_arena.slots import SlotLoops, first_holes
+from gpu_arena.slots import SlotLoops, first_holes, packed
 
 # Up to this many entries the heap is kept as a list that is sorted before each take: new
 # entries are appended unordered (no per-entry push), and the sort merges them into the sorted
@@ -86,16 +86,19 @@ class HoleHeap:
                            self._readers_mv, self._writers_mv)
 
     def take_bind(self, lo: int, hi: int, n: int, fenced: bool,
-                  top: int) -> tuple[list[int] | None, int]:
+                  top: int) -> tuple[list[int] | None, int, bytearray | None]:
         """:meth:`take` ``n`` holes and bind ids to them, popped off the free-id stack at
-        ``top`` (:meth:`SlotLoops.bind`); the ids (None, nothing bound, when fewer than ``n``
-        were found) and the entries read."""
+        ``top`` (:meth:`SlotLoops.take_bind`); the ids (None, nothing bound, when fewer than
+        ``n`` were found), the entries read and the ids packed (None with the ids)."""
         entries = self.entries
         if n > 0 and entries and len(entries) <= SORTED_UP_TO:
             self.ordered = True  # sorted by the take: a heap
             return self._loops.take_bind(entries, self.sign, lo, hi, n, fenced, top)
         slots, used = self.take(lo, hi, n, fenced)
-        return (self._loops.bind(slots, top) if len(slots) == n else None), used
+        if len(slots) < n:
+            return None, used, None
+        ids = self._loops.bind(slots, top)
+        return ids, used, packed(ids)
 
     def sweep(self, lo: int, hi: int, fenced: bool) -> int:
         """Keep only the entries that are holes of ``[lo, hi)`` now; returns the entries read

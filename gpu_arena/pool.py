@@ -124,28 +124,30 @@ class Pool:
         assert len(found) == n, f"pool {self.name}: hole heap found {len(found)} of {n} holes"
         return found
 
-    def alloc_holes(self, n: int) -> list[int]:
+    def alloc_holes(self, n: int) -> tuple[list[int], bytearray]:
         """:meth:`bind` fresh ids to :meth:`take_holes` ``(n)`` in one pass (the steady-state
-        alloc: reuse what eviction freed); returns the ids."""
+        alloc: reuse what eviction freed); returns the ids, as a list and packed as native
+        int64 bytes (:func:`gpu_arena.slots.packed`)."""
         assert n <= self.hi - self.lo - self.num_live - self.num_pending, \
             f"pool {self.name}: {n} holes wanted, {self.num_holes} exist"
         holes = self._holes
         entries = holes.entries
-        if n and entries and len(entries) <= SORTED_UP_TO:  # the sorted-list take, one call
-            holes.ordered = True  # (sorted by the take: a heap)
-            ids, used = self._loops.take_bind(entries, holes.sign, self.lo, self.hi, n,
-                                              self.fenced_refs != 0, self.num_free_ids)
+        if n and entries and len(entries) <= SORTED_UP_TO:  # HoleHeap.take_bind's sorted-list
+            holes.ordered = True  # case, inlined: one compiled call (sorted by it: a heap)
+            ids, used, raw = self._loops.take_bind(entries, holes.sign, self.lo, self.hi, n,
+                                                   self.fenced_refs != 0, self.num_free_ids)
         else:
-            ids, used = holes.take_bind(self.lo, self.hi, n, self.fenced_refs != 0,
-                                        self.num_free_ids)
+            ids, used, raw = holes.take_bind(self.lo, self.hi, n, self.fenced_refs != 0,
+                                             self.num_free_ids)
         self.visited += used
-        assert ids is not None, f"pool {self.name}: hole heap found fewer than {n} holes"
+        assert ids is not None and raw is not None, \
+            f"pool {self.name}: hole heap found fewer than {n} holes"
         self.num_free_ids -= n  # (_bound, inlined on the store's path)
         self.num_live += n
         self.allocated += n
         if self.changed is not None:
             self._log(ids)
-        return ids
+        return ids, raw
 
     def holes_within(self, lo: int, hi: int, n: int) -> list[int]:
         """Up to ``n`` reusable slots of ``[lo, hi)`` (inside the band) nearest the anchor,

@@ -66,15 +66,19 @@ class SlotLoops:
         return found, used
 
     def take_bind(self, entries: list[int], sign: int, lo: int, hi: int, n: int, fenced: bool,
-                  top: int) -> tuple[list[int] | None, int]:
+                  top: int) -> tuple[list[int] | None, int, bytearray | None]:
         """:meth:`take` then :meth:`bind` to what it found (a steady-state alloc in one call);
-        the ids are None (nothing bound) when fewer than ``n`` holes were found."""
+        the ids (None, nothing bound, when fewer than ``n`` holes were found), the entries read,
+        and the ids packed (:func:`packed`; None with the ids)."""
         if n == 0:
-            return [], 0
+            return [], 0, bytearray()
         if not entries:
-            return None, 0
+            return None, 0, None
         slots, used = self.take(entries, sign, lo, hi, n, fenced)
-        return (self.bind(slots, top) if len(slots) == n else None), used
+        if len(slots) < n:
+            return None, used, None
+        ids = self.bind(slots, top)
+        return ids, used, packed(ids)
 
     def bind(self, slots: list[int], top: int) -> list[int]:
         """Pop ``len(slots)`` ids off the free stack (its ``top`` first) and bind them to
@@ -107,6 +111,12 @@ class SlotLoops:
             return slots, pending, -1, -1
         low, high = min(slots), max(slots)
         return (slots if sign > 0 else [-s for s in slots]), pending, low, high
+
+
+def packed(ids: list[int]) -> bytearray:
+    """``ids`` as native int64 bytes: ``torch.frombuffer`` makes a long tensor of them
+    without reading the ints again (the store's allocate hands out tensors)."""
+    return bytearray(array("q", ids))
 
 
 def slot_loops(loc: np.ndarray, owner: np.ndarray, readers: np.ndarray, writers: np.ndarray,

@@ -393,6 +393,29 @@ def test_alloc_ids_is_alloc_as_a_list() -> None:
     a.check_integrity()
 
 
+def test_alloc_packed_packs_what_alloc_ids_hands_out() -> None:
+    """The store's packed path hands out what :meth:`Arena.alloc_ids` would, and its bytes
+    are those ids as native int64, on every path: holes (few and many), the gap, a compaction."""
+    a, b = three_pools(), three_pools()
+    for pool in a.pool_names():
+        a._pools[pool].small_batch = b._pools[pool].small_batch = 4  # the numpy paths too
+    steps = [("kv", 5), ("swa", 3), ("state", 2), ("kv", 0), ("swa", 7), ("kv", 2)]
+    for i, (pool, n) in enumerate(steps * 3):
+        got, want = a.alloc_packed(pool, n), b.alloc_ids(pool, n)
+        assert got is not None and want is not None and got[0] == want
+        assert isinstance(got[1], bytearray)
+        assert torch.frombuffer(got[1], dtype=torch.long).tolist() == want if n else \
+            got[1] == bytearray()
+        if i % 2:  # holes to reuse next time round
+            a.free_owned(pool, want[::2])
+            b.free_owned(pool, want[::2])
+    assert a.stats() == b.stats()
+    assert a.alloc_packed("kv", 10_000) is None
+    with pytest.raises(ArenaError, match="non-negative int"):
+        a.alloc_packed("kv", -1)
+    a.check_integrity()
+
+
 def test_free_owned_takes_lists_arrays_and_tensors() -> None:
     import numpy as np
 

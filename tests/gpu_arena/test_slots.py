@@ -6,6 +6,7 @@ every call; and the compiled loops refuse bad input without changing anything.""
 from __future__ import annotations
 
 import random
+from array import array
 from typing import Any
 
 import numpy as np
@@ -189,9 +190,11 @@ def test_each_loop_agrees_on_random_tables(seed: int) -> None:
         elif which == "take_bind":
             want = min(want, top)
             ce, pe = list(entries), list(entries)
-            assert c.take_bind(ce, sign, lo, hi, want, fenced, top) == \
-                p.take_bind(pe, sign, lo, hi, want, fenced, top)
+            got = c.take_bind(ce, sign, lo, hi, want, fenced, top)
+            assert got == p.take_bind(pe, sign, lo, hi, want, fenced, top)
             assert ce == pe
+            ids, _, packed = got
+            assert (packed is None) if ids is None else packed == bytearray(array("q", ids))
         elif which == "bind":
             free_slots = np.flatnonzero(base[1] < 0).tolist()
             slots = rng.sample(free_slots, rng.randint(0, len(free_slots)))
