@@ -1,4 +1,5 @@
-"""Other engines' prefix caches driven by ``bench ops``'s loop (``--vs vllm,sglang``).
+"""Other engines' prefix caches driven by ``bench ops``'s loop (``--vs vllm,sglang``), and the
+floor every row runs (:class:`DictFloor`).
 
 Each adapter runs one request the way its engine's scheduler does: look the prompt up, allocate
 the blocks the hit did not cover, cache the computed blocks, free the request. None of these
@@ -16,10 +17,12 @@ not importable, and the bench prints it.
 from __future__ import annotations
 
 import importlib
+from collections import OrderedDict
 from typing import Any, Protocol
 
 import numpy as np
 
+from tierstore.hashing import PageHasher
 from tierstore.layout import ModelLayout
 
 ENGINES = ("vllm", "sglang")
@@ -33,6 +36,35 @@ class System(Protocol):
     def step(self, prompt: np.ndarray) -> None: ...
 
     def evictions(self) -> int: ...
+
+
+class DictFloor:
+    """The floor: chained page hashes in an OrderedDict (LRU order) over a free list of ids."""
+
+    def __init__(self, hasher: PageHasher, capacity_pages: int, name: str = "floor") -> None:
+        self.name = name
+        self.hasher = hasher
+        self.pages: OrderedDict[bytes, int] = OrderedDict()
+        self.free = list(range(capacity_pages))
+        self._evictions = 0
+
+    def step(self, prompt: np.ndarray) -> None:
+        keys = self.hasher.pages(prompt.astype("<u4"), "default")
+        hit = 0
+        for k in keys:
+            if k not in self.pages:
+                break
+            self.pages.move_to_end(k)
+            hit += 1
+        need = len(keys) - hit
+        while len(self.free) < need:
+            self.free.append(self.pages.popitem(last=False)[1])
+            self._evictions += 1
+        for k in keys[hit:]:
+            self.pages[k] = self.free.pop()
+
+    def evictions(self) -> int:
+        return self._evictions
 
 
 def make_systems(engines: list[str], layout: ModelLayout, pages: int

@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import gc
 import time
-from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -52,7 +51,7 @@ from tierstore.bench._ops_acct import (
     rise,
     turn_order,
 )
-from tierstore.bench._ops_vs import ENGINES, System, make_systems
+from tierstore.bench._ops_vs import ENGINES, DictFloor, System, make_systems
 from tierstore.bench._util import ratio, table
 from tierstore.config import StoreConfig
 from tierstore.hashing import PageHasher
@@ -198,35 +197,6 @@ class EngineLoop:
 
     def evictions(self) -> int:
         return self.store.stats().evictions
-
-
-class DictFloor:
-    """The floor: chained page hashes in an OrderedDict (LRU order) over a free list of ids."""
-
-    def __init__(self, hasher: PageHasher, capacity_pages: int, name: str = "floor") -> None:
-        self.name = name
-        self.hasher = hasher
-        self.pages: OrderedDict[bytes, int] = OrderedDict()
-        self.free = list(range(capacity_pages))
-        self._evictions = 0
-
-    def step(self, prompt: np.ndarray) -> None:
-        keys = self.hasher.pages(prompt.astype("<u4"), "default")
-        hit = 0
-        for k in keys:
-            if k not in self.pages:
-                break
-            self.pages.move_to_end(k)
-            hit += 1
-        need = len(keys) - hit
-        while len(self.free) < need:
-            self.free.append(self.pages.popitem(last=False)[1])
-            self._evictions += 1
-        for k in keys[hit:]:
-            self.pages[k] = self.free.pop()
-
-    def evictions(self) -> int:
-        return self._evictions
 
 
 def _store(layout: ModelLayout, pages: int, per_request: int, device: str,
@@ -388,6 +358,7 @@ def _measure(layout: ModelLayout, pages: int, args: argparse.Namespace, device: 
         "vs_floor": ratio(us, steady.us(floor.name)),
         "floor_hashlib_us_per_request": steady.us(floor_py.name),
         "vs_floor_hashlib": ratio(us, steady.us(floor_py.name)),
+        "fill_vs_floor_hashlib": ratio(fill_us, fill.us(floor_py.name)),
         "systems": {s.name: {"fill_us_per_request": fill.us(s.name),
                              "us_per_request": steady.us(s.name),
                              "evictions": s.evictions()} for s in main.all},
@@ -429,6 +400,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "fill_min_requests": args.fill_min_requests, "pair_order": args.pair_order,
             "rows": rows,
             "growth": growth("us_per_request"), "fill_growth": growth("fill_us_per_request"),
+            # The same over floor-hashlib's fill in the same turns (mostly hashing, so nearly
+            # flat in the size): the rows run a minute apart, and a shared machine's speed
+            # drifts between them, moving every system's fill alike.
+            "fill_growth_vs_floor_hashlib": growth("fill_vs_floor_hashlib"),
             "max_us_per_request": max(r["us_per_request"] for r in meta) if meta else None,
             "max_vs_floor": _max(r["vs_floor"] for r in meta),
             "max_vs_floor_hashlib": _max(r["vs_floor_hashlib"] for r in meta),
@@ -472,6 +447,9 @@ def render(result: dict[str, Any]) -> str:
     for key, label in (("fill_growth", "fill"), ("growth", "steady")):
         if result[key]:
             lines.append(f"{label} growth (largest / smallest size): {result[key]:.2f}x")
+    if result["fill_growth_vs_floor_hashlib"]:
+        lines.append("fill growth relative to floor-hashlib's in the same turns: "
+                     f"{result['fill_growth_vs_floor_hashlib']:.2f}x")
     return "\n".join(lines)
 
 
