@@ -33,6 +33,9 @@ def demand(kinds: Sequence[str], value: Mapping[str, int]) -> dict[str, int]:
     zero counts dropped."""
     out = {}
     for kind, n in value.items():
+        if type(n) is int and n > 0 and kind in kinds:  # the common case, checked at once
+            out[kind] = n
+            continue
         if kind not in kinds:
             raise ShapeError(f"kind {kind!r} is not in this layout; kinds: {tuple(kinds)}")
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:

@@ -392,10 +392,10 @@ class RadixIndex:
 
     def remove_leaf(self, node: Node) -> None:
         """Detach an unlocked leaf that holds nothing (its ids were handed back)."""
-        assert node.is_leaf() and node.lock == 0, "only unlocked leaves are removed"
-        assert not node.holds_any(), "a removed leaf must hold nothing"
-        parent = node.parent
-        assert parent is not None
+        parent = node.parent  # (is_leaf and holds_any inlined: this runs per eviction)
+        assert parent is not None and not node.children and node.lock == 0, \
+            "only unlocked leaves are removed"
+        assert not any(node._held), "a removed leaf must hold nothing"
         del parent.children[node.keys[0]]
         node.parent = None
         self.num_nodes -= 1
