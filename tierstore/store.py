@@ -328,37 +328,61 @@ class TierStore:
         ns = check_namespace(namespace)
         page = self.layout.page_size
         n_pages = len(toks) // page
-        given = {"kv": self._blocks("kv", kv), "swa": self._blocks("swa", swa),
-                 "state": self._blocks("state", [state] if isinstance(state, int) else state)}
+        blocks = self._blocks
+        given = {"kv": blocks("kv", kv), "swa": None if swa is None else blocks("swa", swa),
+                 "state": None if state is None
+                 else blocks("state", [state] if isinstance(state, int) else state)}
         keys = self.hasher.pages(toks, ns)
-        path = self.index.walk(keys)
+        index = self.index
+        path = index.walk(keys)
         cached = path[-1].node.depth + path[-1].pages if path else 0
         checks.counts(given, self.kinds, page, n_pages, len(toks), cached)
         lists: dict[str, list[int] | None] = {"kv": None, "swa": None, "state": None}
         as_bytes = False
         ledger = self.ledger
-        for kind, blocks in given.items():
-            if blocks is None:
-                continue
-            if blocks.dtype == torch.long:
-                ids = lists[kind] = blocks.tolist()
-                checks.owned_ids(kind, ids, ledger, path, n_pages)
-            else:
-                as_bytes = True
-        if as_bytes:  # copy into fresh blocks first, so a shortfall changes nothing
-            stored = self._insert_bytes(given, lists, keys, path, n_pages)
-            if stored is None:
-                return InsertResult(False, 0, cached, False, 0, 0)
-            path = stored
-        done = link(self.index, keys, path, lists, n_pages, cached,
+        adopted: list[str] = []  # kinds whose ids passed to the cache before linking
+        try:
+            for kind, value in given.items():
+                if value is None:
+                    continue
+                if value.dtype == torch.long:
+                    ids = lists[kind] = value.tolist()
+                    # The common case in one step, no set built: every id is the caller's
+                    # (fresh from allocate) and as many leave its set as were given (none
+                    # repeats). Linking keeps or frees each of them, so they go now.
+                    if ledger.handed[kind].issuperset(ids):
+                        if ledger.adopt(kind, ids) == len(ids):
+                            adopted.append(kind)
+                            continue
+                        ledger.hand_out(kind, ids)  # a repeat: every one was held, all go back
+                    checks.owned_ids(kind, ids, ledger, path, n_pages)
+                else:
+                    as_bytes = True
+            if as_bytes:  # copy into fresh blocks first, so a shortfall changes nothing
+                stored = self._insert_bytes(given, lists, keys, path, n_pages)
+                if stored is None:  # nothing is linked: the caller holds its ids again
+                    for kind in adopted:
+                        ledger.hand_out(kind, lists[kind])  # type: ignore[arg-type]
+                    return InsertResult(False, 0, cached, False, 0, 0)
+                path = stored
+        except BaseException:
+            for kind in adopted:  # nothing is linked yet: the caller holds them again
+                ledger.hand_out(kind, lists[kind])  # type: ignore[arg-type]
+            raise
+        self._tick += 1  # the one touch linking makes (what _touch does, without its call)
+        done = link(index, keys, path, lists, n_pages, cached,
                     window=self._window if self._swa_window_only else None,
-                    touch=functools.partial(self._touch, priority=priority, hit=False))
+                    touch=functools.partial(index.touch, now=float(self._tick),
+                                            priority=priority, hit=False,
+                                            wall=time.monotonic()))
         end, kept, spare = done.end, done.kept, done.spare
         for kind in self.kinds:
-            if kept[kind]:
-                ledger.adopt(kind, kept[kind])
-            if spare[kind]:  # the caller's (owned_ids checked it): free without re-checking
-                ledger.spare(kind, spare[kind])
+            if kind not in adopted:
+                if kept[kind]:
+                    ledger.adopt(kind, kept[kind])
+                if spare[kind]:
+                    ledger.spare(kind, spare[kind])
+            if spare[kind]:  # the caller's (checked above): free without re-checking
                 self.arena.free_owned(kind, spare[kind])
         duplicates = len(spare["kv"]) + len(spare["swa"]) + len(spare[CHECKPOINT]) \
             - done.dropped

@@ -4,11 +4,13 @@ names. ``check_integrity`` must still catch every way the three can disagree."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from gpu_arena import IntegrityError
+from tierstore.errors import ShapeError
 from tierstore.radix import Tier
 
-from .conftest import SWA_ONLY, store
+from .conftest import HYBRID, SWA_ONLY, store
 from .test_store import put, toks
 
 
@@ -58,3 +60,46 @@ def test_an_id_named_twice_by_the_index_is_caught() -> None:
     s.index.set(node, Tier.L1, "kv", 1, first)  # two pages name one block
     with pytest.raises(IntegrityError, match="twice"):
         s.check_integrity()
+
+
+# An insert passes the caller's ids to the cache before linking them (one set operation checks
+# they are the caller's and distinct); every way it can stop first must give them back.
+def test_ids_stay_the_callers_when_an_insert_is_refused() -> None:
+    s = store(HYBRID)
+    put(s, toks(8))
+    alloc = s.allocate({"kv": 2, "swa": 2, "state": 1})
+    assert alloc is not None
+    before = {k: set(v) for k, v in s.ledger.handed.items()}
+    kv, swa = alloc["kv"], alloc["swa"]
+    for kw in ({"kv": kv, "swa": torch.stack([swa[0], swa[0]])},  # kv fine, swa repeated
+               {"kv": torch.stack([kv[0], kv[0]])},  # all held, one repeated
+               {"kv": kv, "swa": swa, "state": 10_000}):  # kv, swa fine, state nobody's
+        with pytest.raises(ShapeError):
+            s.insert(toks(8, 100), **kw)  # type: ignore[arg-type]
+        assert s.ledger.handed == before
+        s.check_integrity()
+    r = s.insert(toks(8, 100), kv=kv, swa=swa, state=alloc["state"])  # still the caller's
+    assert r.stored and r.new_pages == 2
+    assert all(not v for v in s.ledger.handed.values())
+    s.check_integrity()
+
+
+def test_ids_stay_the_callers_when_the_bytes_beside_them_do_not_fit() -> None:
+    s = store(HYBRID)
+    put(s, toks(8))
+    lease = s.match(toks(8)).lease  # the cached prefix cannot be evicted
+    alloc = s.allocate({"kv": 1, "swa": 1})
+    assert alloc is not None
+    hog = []  # take every other block: nothing is left to evict
+    while (more := s.allocate({"state": 1})) is not None:
+        hog.append(more)
+    before = {k: set(v) for k, v in s.ledger.handed.items()}
+    state = torch.zeros(s.arena.spec("state").unit_bytes, dtype=torch.uint8)
+    r = s.insert(toks(12), kv=alloc["kv"], swa=alloc["swa"], state=state)
+    assert not r.stored
+    assert s.ledger.handed == before
+    s.check_integrity()
+    for kind in ("kv", "swa"):
+        s.free(kind, alloc[kind])  # the caller's to free
+    s.release(lease)  # type: ignore[arg-type]
+    s.check_integrity()
