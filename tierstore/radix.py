@@ -245,7 +245,7 @@ class RadixIndex:
                     out[kind] = [v for v in column if v >= 0] if left else []
                     left -= len(out[kind])
                 rest -= n
-            node._pages[t] = _absent(n)
+            node._pages[t] = _ABSENT_COLUMNS.get(n) or _absent(n)  # (the call when new)
         sid = node._state[t]
         out[CHECKPOINT] = [sid] if sid >= 0 else []
         node._state[t] = ABSENT
