@@ -40,8 +40,6 @@ def link(index: RadixIndex, keys: list[bytes], path: list[Segment],
     l1 = _L1
     kv_given, swa_given, state_ids = given["kv"], given["swa"], given["state"]
     end = index.node_ending_at(path)
-    if path and path[-1].node is not end:  # split: the path's last node is the upper part
-        path = [*path[:-1], Segment(end, path[-1].pages)]
     # A hybrid match can only end at a checkpoint: SWA pages outside the window before one
     # are never read, so (with window retention) they are not kept.
     keep_from = 0
@@ -55,10 +53,47 @@ def link(index: RadixIndex, keys: list[bytes], path: list[Segment],
     first = n_pages - max(len(kv_given or ()), len(swa_given or ()))  # first given page
     # Pages already cached keep the cache's ids; SWA tombstones refill. (An engine gives only
     # the pages past its match: then no given id falls on a cached page.)
-    kv_ids = _padded(kv_given, n_pages) if first < cached else []
-    swa_ids = _padded(swa_given, n_pages) if first < cached else []
+    if first < cached:
+        if path[-1].node is not end:  # split: the path's last node is the upper part
+            path = [*path[:-1], Segment(end, path[-1].pages)]
+        _relink(index, path, _padded(kv_given, n_pages), _padded(swa_given, n_pages), first,
+                keep_from, kept, spare)
+    touched = False
+    if cached < n_pages:
+        new_kv, new_swa = _tail(kv_given, n_pages, cached), _tail(swa_given, n_pages, cached)
+        if keep_from > cached:
+            for i in range(min(len(new_swa), keep_from - cached)):
+                if new_swa[i] >= 0:
+                    spare["swa"].append(new_swa[i])
+                    new_swa[i] = ABSENT
+                    dropped += 1
+        # the kept ids first: the lists become the leaf's columns
+        kept["kv"] += new_kv if ABSENT not in new_kv else [i for i in new_kv if i >= 0]
+        kept["swa"] += new_swa if ABSENT not in new_swa else [i for i in new_swa if i >= 0]
+        end = index.grow(end, keys[cached:], l1, {"kv": new_kv, "swa": new_swa}, touch)
+        touched = True
+    checkpoint = False
+    if state_ids is not None:
+        sid = state_ids[0]
+        if end.checkpoint(l1) < 0:
+            index.set(end, l1, CHECKPOINT, 0, sid)
+            kept[CHECKPOINT].append(sid)
+            checkpoint = True
+        elif end.checkpoint(l1) != sid:
+            spare[CHECKPOINT].append(sid)
+    if not touched:
+        touch(end)
+    return Linked(end, kept, spare, dropped, checkpoint)
+
+
+def _relink(index: RadixIndex, path: list[Segment], kv_ids: list[int], swa_ids: list[int],
+            first: int, keep_from: int, kept: dict[str, list[int]],
+            spare: dict[str, list[int]]) -> None:
+    """The given ids (per page, from page ``first`` on) that fall on cached pages of
+    ``path``: each fills an absent entry (kept) or is a duplicate (spare)."""
+    l1 = _L1
     pos = 0
-    for seg in path if first < cached else ():
+    for seg in path:
         n = seg.node
         if pos + seg.pages <= first:
             pos += seg.pages
@@ -80,31 +115,6 @@ def link(index: RadixIndex, keys: list[bytes], path: list[Segment],
                 else:
                     spare["swa"].append(sid)
         pos += seg.pages
-    touched = False
-    if cached < n_pages:
-        new_kv, new_swa = _tail(kv_given, n_pages, cached), _tail(swa_given, n_pages, cached)
-        for i in range(min(len(new_swa), keep_from - cached)):
-            if new_swa[i] >= 0:
-                spare["swa"].append(new_swa[i])
-                new_swa[i] = ABSENT
-                dropped += 1
-        # the kept ids first: the lists become the leaf's columns
-        kept["kv"] += new_kv if ABSENT not in new_kv else [i for i in new_kv if i >= 0]
-        kept["swa"] += new_swa if ABSENT not in new_swa else [i for i in new_swa if i >= 0]
-        end = index.grow(end, keys[cached:], l1, {"kv": new_kv, "swa": new_swa}, touch)
-        touched = True
-    checkpoint = False
-    if state_ids is not None:
-        sid = state_ids[0]
-        if end.checkpoint(l1) < 0:
-            index.set(end, l1, CHECKPOINT, 0, sid)
-            kept[CHECKPOINT].append(sid)
-            checkpoint = True
-        elif end.checkpoint(l1) != sid:
-            spare[CHECKPOINT].append(sid)
-    if not touched:
-        touch(end)
-    return Linked(end, kept, spare, dropped, checkpoint)
 
 
 def _tail(ids: list[int] | None, n_pages: int, start: int) -> list[int]:
