@@ -5,6 +5,7 @@
 // pack:    a token array's leading pages as bytes (the memo's key and record).
 // narrow_i64 / pack_ints: token ids (int64 buffer, list or tuple of ints) into a uint32 buffer,
 //          with the range check in the same pass.
+// pack_prompt: a match's token array (int64 or uint32) checked and packed in one call.
 //
 // OpenSSL's low-level SHA256_* calls (deprecated in 3.0, still built by default): ~140 ns a
 // 96-byte page here against ~260 ns through EVP with a prefetched digest and a reused context,
@@ -365,12 +366,92 @@ pack(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
     return result;
 }
 
+PyDoc_STRVAR(pack_prompt_doc,
+"pack_prompt(tokens, page, limit) -> bytes | None\n\n"
+"A prompt's whole pages of page tokens as packed uint32 LE bytes, from a 1-D int64 or uint32\n"
+"buffer (any strides) of at most limit ids, every id (the partial page's too) in [0, 2**32);\n"
+"None when tokens is anything else (the caller's checked path names what is wrong). Changes\n"
+"nothing.");
+
+static PyObject *
+pack_prompt(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "pack_prompt() takes 3 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    Py_ssize_t page, limit;
+    if (get_count(args[1], "pack_prompt", "page", &page) < 0
+            || get_count(args[2], "pack_prompt", "limit", &limit) < 0)
+        return NULL;
+    if (page == 0) {
+        PyErr_SetString(PyExc_ValueError, "pack_prompt(): page must be > 0");
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_FORMAT | PyBUF_STRIDES) < 0) {
+        // not a buffer, or one that cannot be exported this way: not this path's input
+        if (!PyErr_ExceptionMatches(PyExc_TypeError) && !PyErr_ExceptionMatches(PyExc_ValueError)
+                && !PyErr_ExceptionMatches(PyExc_BufferError))
+            return NULL;
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    PyObject *result = NULL;
+    const char *f = plain_format(&view);
+    int wide = view.itemsize == 8 && (strcmp(f, "q") == 0 || (strcmp(f, "l") == 0
+                                                              && sizeof(long) == 8));
+    int narrow = view.itemsize == 4 && (strcmp(f, "I") == 0 || (strcmp(f, "L") == 0
+                                                                && sizeof(long) == 4));
+    if (view.ndim != 1 || !(wide || narrow) || view.shape[0] > limit) {
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
+    Py_ssize_t n = view.shape[0], stride = view.strides[0];
+    const char *in = view.buf;
+    if (wide) {  // every id in range: its upper 32 bits (viewed unsigned) are 0
+        uint64_t high = 0;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            uint64_t v;
+            memcpy(&v, in + i * stride, 8);
+            high |= v >> 32;
+        }
+        if (high) {
+            result = Py_NewRef(Py_None);
+            goto done;
+        }
+    }
+    Py_ssize_t count = n / page * page;
+    result = PyBytes_FromStringAndSize(NULL, count * 4);
+    if (result == NULL) goto done;
+    unsigned char *to = (unsigned char *)PyBytes_AS_STRING(result);
+    if (!wide && stride == 4) {
+        memcpy(to, in, (size_t)count * 4);
+    } else {
+        for (Py_ssize_t i = 0; i < count; i++) {
+            uint32_t v;
+            if (wide) {
+                uint64_t w;
+                memcpy(&w, in + i * stride, 8);
+                v = (uint32_t)w;
+            } else {
+                memcpy(&v, in + i * stride, 4);
+            }
+            memcpy(to + i * 4, &v, 4);
+        }
+    }
+done:
+    PyBuffer_Release(&view);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"chain", (PyCFunction)(void (*)(void))chain, METH_FASTCALL, chain_doc},
     {"shared", (PyCFunction)(void (*)(void))shared, METH_FASTCALL, shared_doc},
     {"narrow_i64", (PyCFunction)(void (*)(void))narrow_i64, METH_FASTCALL, narrow_i64_doc},
     {"pack_ints", (PyCFunction)(void (*)(void))pack_ints, METH_FASTCALL, pack_ints_doc},
     {"pack", (PyCFunction)(void (*)(void))pack, METH_FASTCALL, pack_doc},
+    {"pack_prompt", (PyCFunction)(void (*)(void))pack_prompt, METH_FASTCALL, pack_prompt_doc},
     {NULL, NULL, 0, NULL},
 };
 

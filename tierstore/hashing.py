@@ -42,15 +42,30 @@ def check_namespace(namespace: object, *, scoped: bool = True) -> str:
     """Return ``namespace`` if well formed (1-128 chars of ``A-Za-z0-9._:@/-``, starting with a
     letter or digit; with ``scoped``, also a :func:`tenant_namespace`), else raise
     NamespaceError. The service checks what clients send with ``scoped=False``."""
+    if scoped and type(namespace) is str and namespace in _CHECKED:  # (twice a request)
+        return namespace
     if isinstance(namespace, str) and scoped and TENANT_MARK in namespace:
         tenant, _, rest = namespace.partition(TENANT_MARK)
         if _TENANT.fullmatch(tenant) and _NAMESPACE.fullmatch(rest):
-            return namespace
+            return _checked(namespace)
     if not isinstance(namespace, str) or not _NAMESPACE.fullmatch(namespace):
         raise NamespaceError(
             f"namespace must be 1-128 characters of [A-Za-z0-9._:@/-] starting with a letter or "
             f"digit, got {namespace!r:.200}"
         )
+    return _checked(namespace) if scoped else namespace
+
+
+# Namespaces check_namespace accepted (scoped), so a repeat costs one set lookup instead of the
+# regular expressions: exact ``str`` only (a subclass may hash or compare its own way), and a
+# bounded number (a process sees a few; past the bound the rest are checked every time).
+_CHECKED: set[str] = set()
+_CHECKED_MAX = 4096
+
+
+def _checked(namespace: str) -> str:
+    if type(namespace) is str and len(_CHECKED) < _CHECKED_MAX:
+        _CHECKED.add(namespace)
     return namespace
 
 
@@ -122,6 +137,17 @@ def _from_i8(arr: np.ndarray) -> np.ndarray:
     raise TokenError(f"token ids must be in [0, 2**32), got range [{arr.min()}, {arr.max()}]")
 
 
+def pack_prompt(tokens: np.ndarray, page: int, limit: int) -> bytes | None:
+    """``_c_chain.pack_prompt``'s pure twin: the whole pages of a 1-D int64 or uint32 array of
+    at most ``limit`` ids, every id in ``[0, 2**32)``, packed as uint32 LE bytes; None for
+    anything else (the caller's checked path names what is wrong)."""
+    if tokens.ndim != 1 or tokens.dtype not in (_I8, _U4) or len(tokens) > limit:
+        return None
+    if tokens.dtype == _I8 and tokens.size and int(tokens.view(_U8).max()) > _UINT32_MAX:
+        return None
+    return tokens[: len(tokens) // page * page].astype(_U4).tobytes()
+
+
 def _out_of_range(arr: np.ndarray) -> bool:
     """Whether an integer array holds an id outside ``[0, 2**32)``: one reduction for 64-bit
     ids (viewed unsigned, a negative one is above the range too)."""
@@ -163,6 +189,7 @@ class PageHasher:
         self._last: tuple[str, bytes, tuple[bytes, ...]] = ("", b"", ())
         # the compiled SHA-256 chain; xxh3 and the pure-Python path hash page by page below
         self._c = _c if native and algorithm == "sha256" else None
+        self._pack = _c if native else None  # the compiled packers (any algorithm)
 
     def root(self, namespace: str) -> bytes:
         """``h_0``: the salt's hash for ``namespace``."""
@@ -173,15 +200,36 @@ class PageHasher:
                 self._roots[namespace] = h
         return h
 
+    def prompt(self, tokens: object, namespace: object, limit: int
+               ) -> tuple[int, list[bytes]] | None:
+        """A request's token count and :meth:`pages` keys in one step, for the common call: a
+        1-D int64 or uint32 numpy array of at most ``limit`` ids in range, and a namespace this
+        hasher has used. None otherwise: the caller takes its checked path (``checks.tokens``,
+        :func:`check_namespace`, :meth:`pages`), which names what is wrong. Same keys, same
+        memo."""
+        if type(tokens) is not np.ndarray or type(namespace) is not str \
+                or namespace not in self._roots:  # (root() keeps only checked namespaces)
+            return None
+        packed = self._pack.pack_prompt(tokens, self.page_size, limit) \
+            if self._pack is not None else pack_prompt(tokens, self.page_size, limit)
+        if packed is None:
+            return None
+        return len(tokens), self._keys(packed, namespace) if packed else []
+
     def pages(self, tokens: np.ndarray, namespace: str) -> list[bytes]:
         """Keys of every full page of ``tokens`` (a trailing partial page gets none)."""
         n = len(tokens) // self.page_size
         if n == 0:
             return []
-        step = self.page_size * 4
-        packed = self._c.pack(tokens, n * self.page_size) if self._c is not None else None
+        packed = self._pack.pack(tokens, n * self.page_size) if self._pack is not None else None
         if packed is None:
             packed = tokens[: n * self.page_size].astype("<u4", copy=False).tobytes()
+        return self._keys(packed, namespace)
+
+    def _keys(self, packed: bytes, namespace: str) -> list[bytes]:
+        """Keys of the (one or more) whole pages ``packed`` holds, through the memo."""
+        step = self.page_size * 4
+        n = len(packed) // step
         last = self._last
         if last[1] == packed and last[0] == namespace:
             # the prompt of the call before (an insert after its match): the memo would return

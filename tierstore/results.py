@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
-from typing import Any, TypeVar
+from dataclasses import dataclass, field
 
 import torch
 
 from gpu_arena import ArenaStats
 from tierstore.radix import Node
-
-T = TypeVar("T")
 
 
 class Lease:
@@ -135,20 +132,29 @@ class StoreStats:
         return self.tokens_hit / self.tokens_queried if self.tokens_queried else 0.0
 
 
-def _maker(cls: type[T]) -> Callable[..., T]:
-    """A positional constructor for the frozen dataclass ``cls`` taking every field, that
-    fills the instance's dict in one step: the generated ``__init__`` sets each field through
-    ``object.__setattr__``, about twice the cost, on every request."""
-    names = tuple(f.name for f in fields(cls))  # type: ignore[arg-type]
-    new = object.__new__
-
-    def make(*values: Any) -> T:
-        obj = new(cls)
-        obj.__dict__.update(zip(names, values, strict=True))  # (a missing field raises)
-        return obj
-
-    return make
+# The store builds a result on every request. These fill the instance's dict in one step from
+# a dict display: the generated ``__init__`` sets each field through ``object.__setattr__``
+# (~3x the cost), and a zip over the field names ~2x. A test checks they name every field.
+_new = object.__new__
 
 
-match_result = _maker(MatchResult)
-insert_result = _maker(InsertResult)
+def match_result(tokens: int, pages: int, kv: torch.Tensor, swa: torch.Tensor,
+                 state: int | None, lease: Lease | None, kv_pages_found: int,
+                 tiers: dict[str, int], lost: dict[str, int], evicted_from: dict[str, int]
+                 ) -> MatchResult:
+    """``MatchResult(...)``, positionally, at a third of the cost."""
+    obj = _new(MatchResult)
+    obj.__dict__.update({"tokens": tokens, "pages": pages, "kv": kv, "swa": swa,
+                         "state": state, "lease": lease, "kv_pages_found": kv_pages_found,
+                         "tiers": tiers, "lost": lost, "evicted_from": evicted_from})
+    return obj
+
+
+def insert_result(stored: bool, new_pages: int, cached_pages: int, checkpoint: bool,
+                  duplicates_freed: int, swa_dropped: int) -> InsertResult:
+    """``InsertResult(...)``, positionally, at a third of the cost."""
+    obj = _new(InsertResult)
+    obj.__dict__.update({"stored": stored, "new_pages": new_pages,
+                         "cached_pages": cached_pages, "checkpoint": checkpoint,
+                         "duplicates_freed": duplicates_freed, "swa_dropped": swa_dropped})
+    return obj

@@ -120,11 +120,12 @@ def cut(path: Sequence[Segment], pages: int) -> list[Segment]:
     return out
 
 
-def held_in_l1(path: Sequence[Segment], *, swa: bool, state: bool
+def held_in_l1(path: Sequence[Segment], *, swa: bool, state: bool, window: int
                ) -> tuple[int, torch.Tensor, torch.Tensor] | None:
     """The common hit in one pass: when L1 holds every ``kv`` entry of a non-empty ``path``
-    (every ``swa`` entry too with ``swa``; with ``state``, the path ends a node whose checkpoint
-    L1 holds), its length in pages and its :func:`l1_ids` of ``kv`` and ``swa``; else None.
+    (with ``swa``, the ``swa`` entries of its last ``window`` pages too; with ``state``, the
+    path ends a node whose checkpoint L1 holds), its length in pages and its :func:`l1_ids` of
+    ``kv`` and ``swa``; else None.
 
     Then :func:`usable` accepts the whole path for any tiers that include L1, and L1 holds all
     a promotion would bring up (:meth:`~tierstore.movement.Mover.promote` has nothing to do).
@@ -136,7 +137,6 @@ def held_in_l1(path: Sequence[Segment], *, swa: bool, state: bool
         if last.pages != len(last.node.keys) or last.node.checkpoint(_L1) < 0:
             return None
     kv, sw = array("q"), array("q")
-    pos = 0
     for seg in path:
         n, p = seg.node, seg.pages
         col = n.ids(_L1, "kv")
@@ -144,16 +144,13 @@ def held_in_l1(path: Sequence[Segment], *, swa: bool, state: bool
             col = col[:p]
         if ABSENT in col:
             return None
-        scol = n.ids(_L1, "swa")
-        if p != len(scol):
-            scol = scol[:p]
-        if swa and ABSENT in scol:
-            return None
         kv.extend(col)
-        sw.extend(scol)
-        pos += p
-    return (pos, torch.frombuffer(kv, dtype=torch.long),
-            torch.frombuffer(sw, dtype=torch.long))
+        col = n.ids(_L1, "swa")
+        sw.extend(col if p == len(col) else col[:p])
+    # (outside the window SWA pages may be tombstones: the rule and a promotion skip them)
+    if swa and ABSENT in (sw if window >= len(sw) else sw[len(sw) - window:]):
+        return None
+    return len(kv), torch.frombuffer(kv, dtype=torch.long), torch.frombuffer(sw, dtype=torch.long)
 
 
 def l1_ids(path: Sequence[Segment], kind: str) -> torch.Tensor:

@@ -135,8 +135,11 @@ class TierStore:
         window before P are present (models with SWA layers). Parts in L2/L3 are promoted into
         L1, evicting per the stopping rule; if they cannot be, the result falls back to what L1
         alone serves."""
-        toks = checks.tokens(tokens, self._max_tokens)
-        keys = self.hasher.pages(toks, check_namespace(namespace))
+        got = self.hasher.prompt(tokens, namespace, self._max_tokens)  # (checked in one call)
+        if got is None:  # anything else: checked and converted step by step (names errors)
+            toks = checks.tokens(tokens, self._max_tokens)
+            got = len(toks), self.hasher.pages(toks, check_namespace(namespace))
+        n_tokens, keys = got
         prefetch = self.mover.prefetch
         best_effort, timeout = self._best_effort, self._timeout
         if prefetch is not None:
@@ -145,8 +148,8 @@ class TierStore:
                 prefetch.discover_later(keys)
             else:
                 prefetch.discover(keys, timeout)
-        self.ledger.queried(len(toks))
-        self.mrc.reference(keys, len(toks))
+        self.ledger.queried(n_tokens)
+        self.mrc.reference(keys, n_tokens)
         near, every = self._near, self._every  # the disk counts only when there is one
         tiers: tuple[int, ...] = near if best_effort else every
         full = None  # pages the rule allows counting every tier (for attribution)
@@ -157,7 +160,7 @@ class TierStore:
         why: Explanation | None = None
         plans: list[tuple[int, str]] = []  # (pages planned, promotion status) per try
         path = self.index.walk(keys)
-        held = rule.held_in_l1(path, swa=self._swa, state=self._state)
+        held = rule.held_in_l1(path, swa=self._swa, state=self._state, window=self._window)
         if held is not None:  # the common hit: L1 holds the whole path, the rule keeps it all
             pages = held[0]
             why = self.attribution.explain(path, keys, pages if full is None else full)
@@ -167,7 +170,7 @@ class TierStore:
             sources = {1: pages, 2: 0, 3: 0, 4: 0} if self.disk is not None \
                 else {1: pages, 2: 0, 3: 0}
             return self._hit(node, path, pages, pages, sources, priority,
-                             self.attribution.settle(namespace, len(toks), len(keys), why,
+                             self.attribution.settle(namespace, n_tokens, len(keys), why,
                                                      [(pages, "ok")], pages, sources), held)
         found = 0
         for attempt in range(4):
@@ -190,7 +193,7 @@ class TierStore:
             plans.append((pages, status))
             if status == "ok":
                 return self._hit(node, path, pages, found, sources, priority,
-                                 self.attribution.settle(namespace, len(toks), len(keys), why,
+                                 self.attribution.settle(namespace, n_tokens, len(keys), why,
                                                          plans, pages, sources))
             self.index.lock(node, -1)
             if status == "no_room":  # L1 cannot take the lower tiers' part: serve L1 alone
@@ -202,7 +205,7 @@ class TierStore:
             _, found = self._usable(self.index.walk(keys), tiers)
         self.ledger.miss()
         assert why is not None, "the match loop runs at least once"
-        lost, evicted = self.attribution.settle(namespace, len(toks), len(keys), why, plans, 0,
+        lost, evicted = self.attribution.settle(namespace, n_tokens, len(keys), why, plans, 0,
                                                 {})
         return match_result(0, 0, _EMPTY, _EMPTY, None, None, found, {}, lost, evicted)
 
@@ -212,7 +215,8 @@ class TierStore:
              held: tuple[int, torch.Tensor, torch.Tensor] | None = None) -> MatchResult:
         """Build the result of a promoted, locked prefix and count it per tier (``held``:
         :func:`rule.held_in_l1` of it, when L1 held it all)."""
-        self._touch(node, priority, hit=True)
+        self._tick += 1  # (what _touch does, without its call)
+        self.index.touch(node, float(self._tick), priority, hit=True, wall=time.monotonic())
         page = self.layout.page_size
         if sources[1] == pages and 4 not in sources:  # all from L1: the common hit
             self.ledger.hit_l1(pages * page)
@@ -224,7 +228,7 @@ class TierStore:
             for n in self.index.path_to(node):
                 if n.hits == self.config.write_through_hits:
                     self.mover.backup(n)
-        state = node.checkpoint(Tier.L1) if self._state else None
+        state = node.checkpoint(1) if self._state else None  # (L1: Tier.L1 costs a lookup)
         kv, swa = (held[1], held[2]) if held is not None \
             else (rule.l1_ids(path, "kv"), rule.l1_ids(path, "swa"))
         return match_result(pages * page, pages, kv, swa, state, Lease(node, self), found,

@@ -252,6 +252,52 @@ def test_pack_takes_only_flat_contiguous_uint32() -> None:
         _c.pack([1, 2], 1)
 
 
+_PROMPTS = st.one_of(
+    st.lists(st.integers(-3, 2**32 + 3), max_size=60).map(lambda v: np.array(v, np.int64)),
+    st.lists(st.integers(-(2**63), 2**63 - 1), max_size=20).map(lambda v: np.array(v, np.int64)),
+    st.lists(st.integers(0, 2**32 - 1), max_size=60).map(lambda v: np.array(v, "<u4")),
+    st.lists(st.integers(0, 2**32 + 3), max_size=60).map(lambda v: np.array(v, np.int64)[::3]),
+    st.lists(st.integers(0, 2**32 - 1), max_size=60).map(lambda v: np.array(v, "<u4")[1::2]),
+    st.lists(st.integers(0, 2**32 - 1), max_size=60).map(lambda v: np.array(v, "<u4")[::-1]),
+    st.tuples(st.lists(st.integers(0, 100), max_size=20),
+              st.sampled_from(["<i4", ">i8", ">u4", "<u8", "<f8", "<i2"])).map(
+        lambda v: np.array(v[0], v[1])),
+    st.lists(st.integers(0, 100), min_size=4, max_size=4).map(
+        lambda v: np.array(v, np.int64).reshape(2, 2)),
+    st.integers(0, 100).map(lambda v: np.array(v, np.int64)),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(value=_PROMPTS, page=st.integers(1, 20), limit=st.integers(0, 70))
+def test_pack_prompt_equals_its_twin_and_the_checked_conversion(
+        value: np.ndarray, page: int, limit: int) -> None:
+    got = _c.pack_prompt(value, page, limit)
+    assert got == hashing.pack_prompt(value, page, limit)
+    try:
+        toks = as_tokens(value)
+    except TokenError:
+        assert got is None  # what the checked path refuses, the shortcut leaves to it
+        return
+    if value.ndim != 1 or value.dtype not in (np.int64, np.dtype("<u4")) or len(toks) > limit:
+        assert got is None
+    else:
+        assert got == toks[: len(toks) // page * page].tobytes()
+
+
+def test_pack_prompt_rejects_bad_arguments() -> None:
+    arr = np.arange(8, dtype=np.int64)
+    for bad in ((arr, 0, 8), (arr, -1, 8), (arr, 4, -1), (arr, 2**70, 8)):
+        with pytest.raises(ValueError):
+            _c.pack_prompt(*bad)
+    wrong: list[tuple[object, ...]] = [(arr, 4.0, 8), (arr, 4, "8"), (arr, 4), (arr, 4, 8, 1)]
+    for args in wrong:
+        with pytest.raises(TypeError):
+            _c.pack_prompt(*args)
+    for other in ("abcd", None, [1, 2, 3, 4], b"\0" * 8):  # not an id buffer: not its input
+        assert _c.pack_prompt(other, 1, 8) is None
+
+
 def test_buffers_are_released_on_every_path() -> None:
     """A bytearray cannot be resized while a buffer on it is held: after each call (returned or
     raised) every one must be resizable again."""
@@ -271,6 +317,11 @@ def test_buffers_are_released_on_every_path() -> None:
         lambda: _c.pack(memoryview(packed).cast("I"), 4),
         lambda: _c.pack(memoryview(packed).cast("I"), 5),
         lambda: _c.pack(memoryview(packed).cast("i"), 1),
+        lambda: _c.pack_prompt(memoryview(packed).cast("q"), 1, 2),
+        lambda: _c.pack_prompt(memoryview(packed).cast("q"), 1, 1),   # over the limit
+        lambda: _c.pack_prompt(memoryview(packed).cast("I"), 3, 4),
+        lambda: _c.pack_prompt(memoryview(packed).cast("i"), 1, 4),   # not its format
+        lambda: _c.pack_prompt(memoryview(out).cast("q"), 1, 4),      # out of range
     ]
     for call in calls:
         with contextlib.suppress(TypeError, ValueError):

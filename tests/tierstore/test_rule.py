@@ -105,15 +105,16 @@ _mostly_held = st.sampled_from([1, 0, 7, 3, 2, 5, 9, 4, 8, 6, 11, 12, 13, ABSENT
 def test_held_in_l1_is_the_rule_promote_and_ids_of_an_all_l1_path(
         sizes: list[int], data: st.DataObject, swa: bool, state: bool, window: int) -> None:
     """held_in_l1 answers exactly when L1 holds all the rule and a promotion need for the
-    whole path, and then gives the rule's answer and l1_ids' ids in one pass."""
+    whole path (SWA pages outside the window may be tombstones), and then gives the rule's
+    answer and l1_ids' ids in one pass."""
     path = _random_path(sizes, data, _mostly_held) if sizes else []
     total = sum(seg.pages for seg in path)
     last = path[-1] if path else None
     all_l1 = bool(path) and rule.in_l1(path, total, "kv") \
-        and (not swa or rule.in_l1(path, total, "swa")) \
+        and (not swa or rule.in_l1(path, total, "swa", total - window)) \
         and (not state or (last is not None and last.pages == len(last.node.keys)
                            and last.node.checkpoint(Tier.L1) >= 0))
-    held = rule.held_in_l1(path, swa=swa, state=state)
+    held = rule.held_in_l1(path, swa=swa, state=state, window=window)
     assert (held is not None) == all_l1
     event(f"held: {held is not None}")
     if held is None:
