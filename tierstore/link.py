@@ -10,7 +10,6 @@ queue once, at its final place.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import NamedTuple
 
 from tierstore.radix import ABSENT, CHECKPOINT, Node, RadixIndex, Segment, Tier
@@ -32,11 +31,12 @@ class Linked(NamedTuple):
 
 def link(index: RadixIndex, keys: list[bytes], path: list[Segment],
          given: dict[str, list[int] | None], n_pages: int, cached: int, *,
-         window: int | None, touch: Callable[[Node], None]) -> Linked:
+         window: int | None, now: float, priority: int, wall: float) -> Linked:
     """Hang the given L1 ids (per kind; ``kv``/``swa`` cover the trailing pages, ``state``
     is one checkpoint) into the tree along ``path`` (the walk of ``keys``, ``cached`` pages
-    long), and ``touch`` the node ending at the prefix. ``window``: SWA pages kept before a
-    checkpoint (None: all of them)."""
+    long), and touch the node ending at the prefix (:meth:`RadixIndex.touch` with ``now``,
+    ``priority``, ``wall``; not a hit). ``window``: SWA pages kept before a checkpoint (None:
+    all of them)."""
     l1 = _L1
     kv_given, swa_given, state_ids = given["kv"], given["swa"], given["state"]
     end = index.node_ending_at(path)
@@ -70,7 +70,8 @@ def link(index: RadixIndex, keys: list[bytes], path: list[Segment],
         # the kept ids first: the lists become the leaf's columns
         kept["kv"] += new_kv if ABSENT not in new_kv else [i for i in new_kv if i >= 0]
         kept["swa"] += new_swa if ABSENT not in new_swa else [i for i in new_swa if i >= 0]
-        end = index.grow(end, keys[cached:], l1, {"kv": new_kv, "swa": new_swa}, touch)
+        end = index.grow(end, keys[cached:], l1, {"kv": new_kv, "swa": new_swa}, now,
+                         priority, wall)
         touched = True
     checkpoint = False
     if state_ids is not None:
@@ -82,7 +83,7 @@ def link(index: RadixIndex, keys: list[bytes], path: list[Segment],
         elif end.checkpoint(l1) != sid:
             spare[CHECKPOINT].append(sid)
     if not touched:
-        touch(end)
+        index.touch(end, now, priority, hit=False, wall=wall)
     return Linked(end, kept, spare, dropped, checkpoint)
 
 

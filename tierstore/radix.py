@@ -343,11 +343,12 @@ class RadixIndex:
         return leaf
 
     def grow(self, parent: Node, keys: list[bytes], tier: int, columns: dict[str, Sequence[int]],
-             touch: Callable[[Node], None]) -> Node:
-        """:meth:`extend` then :meth:`fill` for an insert's new leaf, with ``touch(leaf)`` in
-        between (the leaf joins its eviction queue once, at its touched key). ``keys`` and
-        ``columns`` (every page kind, entries >= 0 or ABSENT) become the leaf's own lists: the
-        caller hands them over and keeps no reference it writes to."""
+             now: float, priority: int, wall: float) -> Node:
+        """:meth:`extend` then :meth:`fill` for an insert's new leaf, with a :meth:`touch` of it
+        (``now``, ``priority``, ``wall``; not a hit) in between: the leaf joins its eviction
+        queue once, at its touched key. ``keys`` and ``columns`` (every page kind, entries >= 0
+        or ABSENT) become the leaf's own lists: the caller hands them over and keeps no
+        reference it writes to."""
         assert keys and keys[0] not in parent.children, "grow needs a fresh branch"
         n = len(keys)
         leaf = Node(parent, parent.depth + len(parent.keys), keys)
@@ -355,7 +356,7 @@ class RadixIndex:
         parent.children[keys[0]] = leaf
         self.num_nodes += 1
         self.num_pages += n
-        touch(leaf)
+        self.touch(leaf, now, priority, hit=False, wall=wall)
         t = tier - 1
         held = 0
         for kind, values in columns.items():

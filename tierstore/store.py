@@ -376,9 +376,7 @@ class TierStore:
         self._tick += 1  # the one touch linking makes (what _touch does, without its call)
         done = link(index, keys, path, lists, n_pages, cached,
                     window=self._window if self._swa_window_only else None,
-                    touch=functools.partial(index.touch, now=float(self._tick),
-                                            priority=priority, hit=False,
-                                            wall=time.monotonic()))
+                    now=float(self._tick), priority=priority, wall=time.monotonic())
         end, kept, spare = done.end, done.kept, done.spare
         for kind in self.kinds:
             if kind not in adopted:
