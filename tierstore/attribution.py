@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from operator import attrgetter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from tierstore.ghost import DEFAULT_CAPACITY, Ghost, GhostIndex
 from tierstore.native import load
@@ -86,18 +86,20 @@ def default_tenant(namespace: str) -> str:
     return tenant if mark else "default"
 
 
-class Explanation:
-    """Why a match lost what it lost past its all-tier usable prefix (filled before promotion,
-    which may split or prune the nodes the walk saw)."""
+# Why a match lost what it lost past its all-tier usable prefix (filled before promotion, which
+# may split or prune the nodes the walk saw): a plain list, built in one step per match (no
+# object and no __init__ frame per request), read by index:
+# [full: pages the hybrid rule allows with every tier counted,
+#  found: consecutive pages whose KV some tier holds,
+#  lost: tokens by reason, evicted_from: evicted tokens by tier,
+#  next_checkpoint: pages, the nearest checkpoint past ``found`` on the path].
+Explanation: TypeAlias = list[Any]
+FULL, FOUND, LOST, EVICTED_FROM, NEXT_CHECKPOINT = range(5)
 
-    __slots__ = ("evicted_from", "found", "full", "lost", "next_checkpoint")
 
-    def __init__(self, full: int) -> None:
-        self.full = full  # pages the hybrid rule allows with every tier counted
-        self.found = full  # consecutive pages whose KV some tier holds
-        self.lost: Counts = {}
-        self.evicted_from: Counts = {}
-        self.next_checkpoint = 0  # pages: the nearest checkpoint past ``found`` on the path
+def explanation(full: int) -> Explanation:
+    """An explanation with nothing lost yet: ``full`` pages usable, and found."""
+    return [full, full, {}, {}, 0]
 
 
 def _has_checkpoint(node: Node) -> bool:
@@ -139,23 +141,29 @@ class Attribution:
                 ) -> Explanation:
         """Reasons for pages ``[full, len(keys))`` of a prompt whose index walk is ``path`` and
         whose deepest usable prefix, counting every tier, is ``full`` pages. Changes nothing."""
-        out = Explanation(full)
         n_full = len(keys)
         if full >= n_full:
-            return out
+            return [full, full, {}, {}, 0]
         walked = sum(map(_PAGES, path))
+        if walked == full:  # the index names nothing past the usable prefix (the usual)
+            if keys[walked] not in self.ghost:  # a new prompt's tail (see _unknown)
+                return [full, full, {"cold": (n_full - walked) * self.page}, {}, 0]
+            out: Explanation = [full, full, {}, {}, 0]
+            self._unknown(out, keys, walked)
+            return out
+        out = [full, full, {}, {}, 0]
         if walked > full:  # the index knows pages past the usable prefix: why not usable
             self._beyond(out, path, walked)
         if walked < n_full:
             if keys[walked] in self.ghost:
                 self._unknown(out, keys, walked)
-            else:  # the usual: a new prompt's tail (see _unknown)
-                out.lost["cold"] = (n_full - walked) * self.page
+            else:
+                out[LOST]["cold"] = (n_full - walked) * self.page
         return out
 
     def _beyond(self, out: Explanation, path: Sequence[Segment], walked: int) -> None:
-        """The reasons of pages ``[out.full, walked)``, which the index names."""
-        full, page, lost = out.full, self.page, out.lost
+        """The reasons of pages ``[out[FULL], walked)``, which the index names."""
+        full, page, lost = out[FULL], self.page, out[LOST]
         found = -1  # first page past ``full`` whose KV no tier holds (-1: not yet seen)
         last_ckpt = 0  # deepest checkpointed node end in (full, found]
         segs = []  # (node, first page of it in the prompt, matched pages) past ``full``
@@ -178,7 +186,7 @@ class Attribution:
             break
         if found < 0:
             found = walked
-        out.found = found
+        out[FOUND] = found
         if found > full:
             # Any deeper checkpoint the KV reaches failed only the SWA window (the rule would
             # have taken it otherwise); past the deepest one there is no checkpoint at all.
@@ -189,14 +197,14 @@ class Attribution:
                     lost["no_checkpoint"] = (found - max(last_ckpt, full)) * page
                     node, start, _ = segs[-1]
                     if start + len(node.keys) > found and _has_checkpoint(node):
-                        out.next_checkpoint = start + len(node.keys)
+                        out[NEXT_CHECKPOINT] = start + len(node.keys)
             elif self.swa:
                 lost["swa_window"] = (found - full) * page
             else:  # the rule is KV-only: nothing can stop short of the KV
                 raise AssertionError(f"KV reaches page {found} but the rule stopped at {full}")
         if found < walked:  # a page the index names that no tier holds: L3 lost it
             _add(lost, "evicted", (walked - found) * page)
-            _add(out.evicted_from, "l3", (walked - found) * page)
+            _add(out[EVICTED_FROM], "l3", (walked - found) * page)
 
     def _unknown(self, out: Explanation, keys: Sequence[bytes], walked: int) -> None:
         """The reasons of pages past the index's walk, some of which the ghost remembers:
@@ -208,7 +216,7 @@ class Attribution:
         :meth:`explain` settles them with that one lookup instead of calling this."""
         page = self.page
         counts = self.ghost.counts(keys, walked)  # cold, dropped by l1, l2, l3, disk
-        lost, evicted = out.lost, out.evicted_from
+        lost, evicted = out[LOST], out[EVICTED_FROM]
         if counts[0]:
             lost["cold"] = counts[0] * page
         for tier in (1, 2, 3, 4):
@@ -224,9 +232,9 @@ class Attribution:
         status) per try, in order) between it and what was served, and the tail past the
         last full page. ``best_effort`` matches plan without L3 first: that gap is
         ``l3_unavailable``. Counted in the totals; takes ``why``'s dicts as the result."""
-        lost, evicted = why.lost, why.evicted_from
-        if served != why.full or len(plans) > 1:  # a try fell short of the all-tier prefix
-            self._short(lost, evicted, why.full, plans, served)
+        full, found, lost, evicted, next_checkpoint = why
+        if served != full or len(plans) > 1:  # a try fell short of the all-tier prefix
+            self._short(lost, evicted, full, plans, served)
         tail = n_tokens - n_pages * self.page
         if tail:
             lost["partial_page"] = tail
@@ -235,11 +243,11 @@ class Attribution:
         if c is None:
             c = self._counts[namespace] = [0] * _SLOTS
         _tally(c, sources, lost, evicted)
-        found = why.found  # the KV some tier holds reaches at least as far as what was served
+        # the KV some tier holds reaches at least as far as what was served
         self._w_shared += found if found > served else served
         if "no_checkpoint" in lost:
             self._w_share.append(found * self.page)
-            self._w_next.append(why.next_checkpoint * self.page)
+            self._w_next.append(next_checkpoint * self.page)
         self._w_requests += 1
         if self._w_requests >= self.window:
             self._check_window()
@@ -365,7 +373,7 @@ class NoAttribution:
     enabled = False
     on_drop = None
     warnings = 0
-    _NONE = Explanation(0)
+    _NONE = explanation(0)
 
     def explain(self, path: Sequence[Segment], keys: Sequence[bytes], full: int
                 ) -> Explanation:

@@ -9,7 +9,14 @@ from collections.abc import Sequence
 
 import torch
 
-from tierstore.attribution import Attribution, Explanation, NoAttribution
+from tierstore.attribution import (
+    EVICTED_FROM,
+    LOST,
+    Attribution,
+    Explanation,
+    NoAttribution,
+    explanation,
+)
 from tierstore.config import StoreConfig
 from tierstore.mrc import NoShadow, Shadow
 from tierstore.radix import Segment
@@ -118,16 +125,16 @@ def test_one_lookup_shortcut_equals_counting_every_page() -> None:
             out = explain(path, keys, full)
             walked = sum(seg.pages for seg in path)
             if full < len(keys) and walked < len(keys):  # every page counted, no shortcut
-                slow = Explanation(full)
+                slow = explanation(full)
                 if walked > full:
                     a._beyond(slow, path, walked)
                 a._unknown(slow, keys, walked)
-                assert (out.lost, out.evicted_from) == (slow.lost, slow.evicted_from)
-                fresh = Explanation(full)  # and _unknown agrees with a lookup per page
+                assert (out[LOST], out[EVICTED_FROM]) == (slow[LOST], slow[EVICTED_FROM])
+                fresh = explanation(full)  # and _unknown agrees with a lookup per page
                 a._unknown(fresh, keys, walked)
-                assert (fresh.lost, fresh.evicted_from) == _slow(a.ghost.tier, keys, walked)
+                assert (fresh[LOST], fresh[EVICTED_FROM]) == _slow(a.ghost.tier, keys, walked)
                 checked += 1
-                remembered += bool(fresh.evicted_from)
+                remembered += bool(fresh[EVICTED_FROM])
             return out
 
         attribution.explain = checked_explain  # type: ignore[method-assign]
