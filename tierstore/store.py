@@ -328,19 +328,21 @@ class TierStore:
         bytes, a ``uint8`` tensor ``[n, envelope bytes]`` (copied into fresh blocks, evicting as
         needed; ``stored=False`` when they do not fit).
         """
-        toks = checks.tokens(tokens, self._max_tokens)
-        ns = check_namespace(namespace)
+        got = self.hasher.prompt(tokens, namespace, self._max_tokens)  # (checked in one call)
+        if got is None:  # anything else: checked and converted step by step (names errors)
+            toks = checks.tokens(tokens, self._max_tokens)
+            got = len(toks), self.hasher.pages(toks, check_namespace(namespace))
+        n_tokens, keys = got
         page = self.layout.page_size
-        n_pages = len(toks) // page
+        n_pages = n_tokens // page
         blocks = self._blocks
         given = {"kv": blocks("kv", kv), "swa": None if swa is None else blocks("swa", swa),
                  "state": None if state is None
                  else blocks("state", [state] if isinstance(state, int) else state)}
-        keys = self.hasher.pages(toks, ns)
         index = self.index
         path = index.walk(keys)
         cached = path[-1].node.depth + path[-1].pages if path else 0
-        checks.counts(given, self.kinds, page, n_pages, len(toks), cached)
+        checks.counts(given, self.kinds, page, n_pages, n_tokens, cached)
         lists: dict[str, list[int] | None] = {"kv": None, "swa": None, "state": None}
         as_bytes = False
         ledger = self.ledger
