@@ -145,6 +145,9 @@ class EvictionQueue(Generic[N]):
         if node.queued[self._t]:
             node.queued[self._t] = 0
             self.size -= 1
+            heap = self._heap  # (holds the node's live entry: not empty)
+            if heap[0][-1] is node:  # the victim just evicted: its entry goes while it is hot
+                heapq.heappop(heap)
 
     def peek(self) -> N | None:
         """The first candidate, or None."""
