@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from array import array
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -299,12 +298,15 @@ class TierStore:
         demand = checks.demand(self.kinds, demand)
         if not self.mover.make_room(demand):
             return None
+        alloc, hand_out = self.arena.alloc_packed, self.ledger.hand_out
         blocks = {}
         for kind, n in demand.items():
-            ids = self.arena.alloc_ids(kind, n)
-            assert ids is not None, f"can_alloc promised {demand}, {kind} failed"
-            blocks[kind] = torch.frombuffer(array("q", ids), dtype=torch.long)
-            self.ledger.hand_out(kind, ids)
+            got = alloc(kind, n)
+            assert got is not None, f"can_alloc promised {demand}, {kind} failed"
+            ids, packed = got
+            # (n >= 1: demand drops zeros. The bytearray is the tensor's alone.)
+            blocks[kind] = torch.frombuffer(packed, dtype=torch.long)
+            hand_out(kind, ids)
         return Allocation(blocks)
 
     def free(self, kind: str, ids: Blocks) -> None:
