@@ -88,6 +88,8 @@ def test_short_fills_repeat_on_fresh_systems_until_the_minimum() -> None:
     once = ops.run(_args(sizes="900", fill_min_requests=0))["rows"][0]
     assert once["fill_repeats"] == 1 and once["fill_requests"] == large["fill_requests"]
     assert "fill_repeats" in ops.render(result)
+    with pytest.raises(SystemExit, match="--fill-min-requests -1 < 0"):
+        ops.run(_args(fill_min_requests=-1))
     # The drift-free companion of fill_growth: the store's fill over floor-hashlib's, per row.
     assert result["fill_growth_vs_floor_hashlib"] == pytest.approx(
         large["fill_vs_floor_hashlib"] / small["fill_vs_floor_hashlib"])
