@@ -2,6 +2,7 @@
 //
 // chain:   h_i = sha256(h_{i-1} || page_i) for a run of pages of packed uint32 LE tokens.
 // shared:  how many leading pages two packed prompts have in common.
+// extend:  a prompt's keys from a remembered one's (shared pages reused, the rest chained).
 // pack:    a token array's leading pages as bytes (the memo's key and record).
 // narrow_i64 / pack_ints: token ids (int64 buffer, list or tuple of ints) into a uint32 buffer,
 //          with the range check in the same pass.
@@ -103,6 +104,27 @@ get_count(PyObject *obj, const char *fn, const char *name, Py_ssize_t *out)
     return 0;
 }
 
+// Fill keys[at .. at+count-1] (a fresh list's empty slots) with the keys of count pages of step
+// bytes from page on, chained from the 32-byte key h (overwritten). -1 with an exception set.
+static int
+chain_into(PyObject *keys, Py_ssize_t at, unsigned char *h, const unsigned char *page,
+           Py_ssize_t step, Py_ssize_t count)
+{
+    for (Py_ssize_t i = 0; i < count; i++, page += step) {
+        PyObject *key = PyBytes_FromStringAndSize(NULL, KEY_BYTES);
+        if (key == NULL) return -1;
+        unsigned char *out = (unsigned char *)PyBytes_AS_STRING(key);
+        if (!digest_page(h, page, step, out)) {
+            Py_DECREF(key);
+            PyErr_SetString(PyExc_RuntimeError, "OpenSSL SHA-256 failed");
+            return -1;
+        }
+        memcpy(h, out, KEY_BYTES);
+        PyList_SET_ITEM(keys, at + i, key);  // steals the reference
+    }
+    return 0;
+}
+
 PyDoc_STRVAR(chain_doc,
 "chain(prev, packed, step, first, count) -> list[bytes]\n\n"
 "The keys of pages first .. first+count-1 of packed (step bytes each), chained from the\n"
@@ -147,23 +169,8 @@ chain(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
     memcpy(h, prev.buf, KEY_BYTES);
     keys = PyList_New(count);
     if (keys == NULL) goto done;
-    const unsigned char *page = (const unsigned char *)packed.buf + first * step;
-    for (Py_ssize_t i = 0; i < count; i++, page += step) {
-        PyObject *key = PyBytes_FromStringAndSize(NULL, KEY_BYTES);
-        if (key == NULL) {
-            Py_CLEAR(keys);
-            goto done;
-        }
-        unsigned char *out = (unsigned char *)PyBytes_AS_STRING(key);
-        if (!digest_page(h, page, step, out)) {
-            Py_DECREF(key);
-            Py_CLEAR(keys);
-            PyErr_SetString(PyExc_RuntimeError, "chain(): OpenSSL SHA-256 failed");
-            goto done;
-        }
-        memcpy(h, out, KEY_BYTES);
-        PyList_SET_ITEM(keys, i, key);  // steals the reference
-    }
+    if (chain_into(keys, 0, h, (const unsigned char *)packed.buf + first * step, step, count) < 0)
+        Py_CLEAR(keys);
 done:
     PyBuffer_Release(&packed);
     PyBuffer_Release(&prev);
@@ -210,6 +217,98 @@ shared(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 done:
     PyBuffer_Release(&b);
     PyBuffer_Release(&a);
+    return result;
+}
+
+PyDoc_STRVAR(extend_doc,
+"extend(root, seen, packed, step) -> (shared, keys)\n\n"
+"The keys of the whole pages of packed (step bytes each), from a remembered prompt: seen is\n"
+"None (then the chain starts from the 32-byte key root) or a (packed, keys) pair whose keys\n"
+"are those of its whole pages. shared counts the leading pages packed has in common with\n"
+"seen's (at most either's pages); keys reuses seen's keys for them and chains the rest.\n"
+"Changes nothing.");
+
+static PyObject *
+extend(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_Format(PyExc_TypeError, "extend() takes 4 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    PyObject *root = args[0], *seen = args[1];
+    Py_ssize_t step;
+    if (get_count(args[3], "extend", "step", &step) < 0) return NULL;
+    if (step == 0) {
+        PyErr_SetString(PyExc_ValueError, "extend(): step must be > 0");
+        return NULL;
+    }
+    PyObject *seen_keys = NULL;
+    if (seen != Py_None) {
+        if (!PyTuple_CheckExact(seen) || PyTuple_GET_SIZE(seen) != 2
+                || !PyBytes_CheckExact(PyTuple_GET_ITEM(seen, 0))
+                || !PyTuple_CheckExact(PyTuple_GET_ITEM(seen, 1))) {
+            PyErr_SetString(PyExc_TypeError,
+                            "extend(): seen must be None or a (bytes, tuple of keys) pair");
+            return NULL;
+        }
+        seen_keys = PyTuple_GET_ITEM(seen, 1);
+    } else if (!PyBytes_CheckExact(root) || PyBytes_GET_SIZE(root) != KEY_BYTES) {
+        PyErr_Format(PyExc_ValueError, "extend(): without seen, root must be %d bytes",
+                     KEY_BYTES);
+        return NULL;
+    }
+    Py_buffer packed;
+    if (PyObject_GetBuffer(args[2], &packed, PyBUF_SIMPLE) < 0) return NULL;
+    PyObject *keys = NULL, *result = NULL;
+    Py_ssize_t n = packed.len / step, shared = 0;
+    if (packed.len % step) {
+        PyErr_Format(PyExc_ValueError, "extend(): %zd bytes are not whole pages of %zd",
+                     packed.len, step);
+        goto done;
+    }
+    unsigned char h[KEY_BYTES];
+    if (seen_keys != NULL) {
+        // (seen is an exact tuple of exact bytes and tuple: nothing below runs Python code)
+        PyObject *seen_packed = PyTuple_GET_ITEM(seen, 0);
+        Py_ssize_t count = PyTuple_GET_SIZE(seen_keys);
+        Py_ssize_t limit = n < count ? n : count;
+        if (limit > PyBytes_GET_SIZE(seen_packed) / step) {
+            PyErr_SetString(PyExc_ValueError, "extend(): seen has more keys than pages");
+            goto done;
+        }
+        const char *a = packed.buf, *b = PyBytes_AS_STRING(seen_packed);
+        while (shared < limit && memcmp(a + shared * step, b + shared * step, (size_t)step) == 0)
+            shared++;
+        for (Py_ssize_t i = 0; i < shared; i++) {
+            PyObject *key = PyTuple_GET_ITEM(seen_keys, i);
+            if (!PyBytes_CheckExact(key) || PyBytes_GET_SIZE(key) != KEY_BYTES) {
+                PyErr_Format(PyExc_ValueError, "extend(): seen's keys must be %d bytes",
+                             KEY_BYTES);
+                goto done;
+            }
+        }
+        if (shared == 0 && n > 0) {  // nothing in common: the chain starts from root
+            if (!PyBytes_CheckExact(root) || PyBytes_GET_SIZE(root) != KEY_BYTES) {
+                PyErr_Format(PyExc_ValueError, "extend(): root must be %d bytes", KEY_BYTES);
+                goto done;
+            }
+        }
+    }
+    keys = PyList_New(n);
+    if (keys == NULL) goto done;
+    for (Py_ssize_t i = 0; i < shared; i++)
+        PyList_SET_ITEM(keys, i, Py_NewRef(PyTuple_GET_ITEM(seen_keys, i)));
+    if (shared < n) {
+        memcpy(h, shared ? PyBytes_AS_STRING(PyTuple_GET_ITEM(seen_keys, shared - 1))
+                         : PyBytes_AS_STRING(root), KEY_BYTES);
+        if (chain_into(keys, shared, h, (const unsigned char *)packed.buf + shared * step, step,
+                       n - shared) < 0)
+            goto done;
+    }
+    result = Py_BuildValue("(nO)", shared, keys);
+done:
+    Py_XDECREF(keys);
+    PyBuffer_Release(&packed);
     return result;
 }
 
@@ -448,6 +547,7 @@ done:
 static PyMethodDef methods[] = {
     {"chain", (PyCFunction)(void (*)(void))chain, METH_FASTCALL, chain_doc},
     {"shared", (PyCFunction)(void (*)(void))shared, METH_FASTCALL, shared_doc},
+    {"extend", (PyCFunction)(void (*)(void))extend, METH_FASTCALL, extend_doc},
     {"narrow_i64", (PyCFunction)(void (*)(void))narrow_i64, METH_FASTCALL, narrow_i64_doc},
     {"pack_ints", (PyCFunction)(void (*)(void))pack_ints, METH_FASTCALL, pack_ints_doc},
     {"pack", (PyCFunction)(void (*)(void))pack, METH_FASTCALL, pack_doc},

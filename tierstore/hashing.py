@@ -237,36 +237,41 @@ class PageHasher:
             return list(last[2])
         memo_key = (namespace, packed[:step])
         seen = self._memo.get(memo_key)
-        keys: list[bytes] = []
-        if seen is not None:
-            seen_packed, seen_keys = seen
-            if seen_packed.startswith(packed):
-                self._memo.move_to_end(memo_key)
-                found = seen_keys[:n]
-                self._last = (namespace, packed, found)
-                return list(found)
-            if packed.startswith(seen_packed):
-                keys = list(seen_keys)
-            else:  # the shared leading pages (the first is, by the memo key)
-                limit = min(n, len(seen_keys))
-                if self._c is not None:
-                    shared = self._c.shared(packed, seen_packed, step, limit)
-                else:
-                    shared = 1
-                    while shared < limit and packed[shared * step : (shared + 1) * step] \
-                            == seen_packed[shared * step : (shared + 1) * step]:
-                        shared += 1
-                keys = list(seen_keys[:shared])
-        h = keys[-1] if keys else self.root(namespace)
-        if self._c is not None:
-            keys += self._c.chain(h, packed, step, len(keys), n - len(keys))
-        else:
-            digest = self._digest
-            for i in range(len(keys), n):
-                h = digest(h + packed[i * step : (i + 1) * step]).digest()
-                keys.append(h)
+        root = self.root(namespace) if seen is None else None
+        shared, keys = self._c.extend(root, seen, packed, step) if self._c is not None \
+            else self._extend(root, seen, packed, step)
+        if shared == n:  # a remembered prompt starts with this one: nothing new to keep
+            assert seen is not None, "without a remembered prompt nothing is shared"
+            self._memo.move_to_end(memo_key)
+            self._last = (namespace, packed, seen[1][:n])
+            return keys
         self._last = (namespace, packed, self._remember(memo_key, packed, keys))
         return keys
+
+    def _extend(self, root: bytes | None, seen: tuple[bytes, tuple[bytes, ...]] | None,
+                packed: bytes, step: int) -> tuple[int, list[bytes]]:
+        """``_c_chain.extend``'s twin (any algorithm): the keys of ``packed``'s whole pages,
+        reusing ``seen``'s for the leading pages both share (how many: the first item), and
+        chained from ``root`` when there is no ``seen``."""
+        n = len(packed) // step
+        shared = 0
+        if seen is not None:
+            seen_packed, seen_keys = seen
+            limit = min(n, len(seen_keys))
+            while shared < limit and packed[shared * step : (shared + 1) * step] \
+                    == seen_packed[shared * step : (shared + 1) * step]:
+                shared += 1
+            keys = list(seen_keys[:shared])
+        else:
+            keys = []
+        if shared < n:
+            h = keys[-1] if keys else root
+            assert h is not None, "a chain from nothing shared needs the root"
+            digest = self._digest
+            for i in range(shared, n):
+                h = digest(h + packed[i * step : (i + 1) * step]).digest()
+                keys.append(h)
+        return shared, keys
 
     def _remember(self, memo_key: tuple[str, bytes], packed: bytes, keys: list[bytes]
                   ) -> tuple[bytes, ...]:

@@ -117,6 +117,54 @@ def test_hasher_paths_agree_keys_and_memo(native: ModuleType,
                 assert fast._memo_used == other._memo_used
 
 
+@settings(max_examples=300, deadline=None)
+@given(a=st.lists(st.integers(0, 3), max_size=40), b=st.lists(st.integers(0, 3), max_size=40),
+       page=st.integers(1, 6), root=st.binary(min_size=32, max_size=32), remembered=st.booleans())
+def test_extend_equals_its_twin(a: list[int], b: list[int], page: int, root: bytes,
+                                remembered: bool) -> None:
+    step = page * 4
+    packed = np.array(a[: len(a) // page * page], "<u4").tobytes()
+    seen_packed = np.array(b[: len(b) // page * page], "<u4").tobytes()
+    twin = PageHasher("m", "l", page, native=False)
+    seen = (seen_packed, tuple(_hashlib_chain(root, seen_packed, step, 0,
+                                              len(seen_packed) // step))) if remembered else None
+    try:
+        want: object = twin._extend(root if seen is None or a[:page] != b[:page] else None,
+                                    seen, packed, step)
+    except AssertionError:
+        want = ValueError
+    try:
+        got: object = _c.extend(root if seen is None or a[:page] != b[:page] else None, seen,
+                                packed, step)
+    except ValueError:
+        got = ValueError
+    assert got == want
+    if isinstance(got, tuple):
+        shared, keys = got
+        assert keys == _hashlib_chain(root, packed, step, 0, len(packed) // step) \
+            or shared  # (from seen's chain: the same keys wherever the pages are the same)
+        if seen is not None:
+            assert all(k is s for k, s in zip(keys[:shared], seen[1], strict=False))
+
+
+def test_extend_rejects_bad_arguments() -> None:
+    key, page = bytes(32), bytes(8)
+    for args in ((None, None, page, 4), (bytes(31), None, page, 4), (key, None, page, 0),
+                 (key, None, page, -1), (key, None, bytes(7), 4),
+                 (None, (page, (key,)), b"x" * 8, 4),  # nothing shared, no root
+                 (key, (bytes(4), (key, key)), page, 4),  # more keys than pages
+                 (key, (page, (b"short", key)), page, 4)):
+        with pytest.raises(ValueError):
+            _c.extend(*args)
+    wrong: list[tuple[object, ...]] = [
+        (key, [page, (key,)], page, 4), (key, (page, [key]), page, 4), (key, (page,), page, 4),
+        (key, None, "str", 4), (key, None, page, 4.0), (key, None, page)]
+    for bad in wrong:
+        with pytest.raises(TypeError):
+            _c.extend(*bad)
+    assert _c.extend(key, None, b"", 4) == (0, [])
+
+
 def test_hasher_keeps_xxh3_and_opt_out_on_python(native: ModuleType) -> None:
     assert PageHasher("m", "l", 4, "xxh3")._c is None
     assert PageHasher("m", "l", 4, native=False)._c is None
@@ -317,6 +365,9 @@ def test_buffers_are_released_on_every_path() -> None:
         lambda: _c.pack(memoryview(packed).cast("I"), 4),
         lambda: _c.pack(memoryview(packed).cast("I"), 5),
         lambda: _c.pack(memoryview(packed).cast("i"), 1),
+        lambda: _c.extend(bytes(32), None, packed, 4),
+        lambda: _c.extend(bytes(32), None, packed, 3),                 # not whole pages
+        lambda: _c.extend(None, (bytes(4), (bytes(32),) * 2), packed, 4),
         lambda: _c.pack_prompt(memoryview(packed).cast("q"), 1, 2),
         lambda: _c.pack_prompt(memoryview(packed).cast("q"), 1, 1),   # over the limit
         lambda: _c.pack_prompt(memoryview(packed).cast("I"), 3, 4),
