@@ -98,11 +98,15 @@ def test_short_fills_repeat_on_fresh_systems_until_the_minimum() -> None:
 
 
 def test_the_accounting_pair_alternates_and_reports_per_turn_spread() -> None:
-    """The pair swaps places every turn (``alternate``), or never (``fixed``); beside the total
-    rise, the per-turn median, quartiles and extremes, and the rise by which side went first."""
-    assert turn_order(list("abcd"), ["c", "d"], 0, "alternate") == list("abcd")
-    assert turn_order(list("abcd"), ["c", "d"], 1, "alternate") == list("abdc")
-    assert turn_order(list("abcd"), ["c", "d"], 1, "fixed") == list("abcd")
+    """The pair is split around the floor-hashlib and swaps slots every turn (``alternate``), or
+    runs on-then-off back to back (``fixed``); beside the total rise, the per-turn median,
+    quartiles and extremes, and the rise by which side went first."""
+    # t(imed), f(loor), g (floor-hashlib), then the pair (n: on, o: off).
+    assert turn_order(list("tfgno"), ["n", "o"], 0, "alternate", "f") == list("tfngo")
+    assert turn_order(list("tfgno"), ["n", "o"], 1, "alternate", "f") == list("tfogn")
+    assert turn_order(list("fgno"), ["n", "o"], 3, "alternate", "f") == list("fogn")
+    assert turn_order(list("tfgno"), ["n", "o"], 1, "alternate") == list("otfgn")
+    assert turn_order(list("tfgno"), ["n", "o"], 1, "fixed", "f") == list("tfgno")
     assert turn_order(list("ab"), [], 1, "alternate") == list("ab")
     with pytest.raises(ValueError, match="pair order"):
         turn_order(list("ab"), [], 0, "random")

@@ -7,11 +7,12 @@ inflate both sides), interleaved with the other systems on the same prompts; the
 pair's µs per request, on over off, minus 1. Both must hit the same tokens: accounting
 observes the cache, it never changes it.
 
-The pair runs back to back within each turn, and by default the two swap places every turn
-(``--pair-order alternate``): the second of two stores running the same code finds the CPU's
-caches warmer, so a fixed order charges that to one side. Beside the total ratio (``rise``,
-comparable across rounds), :func:`rise` gives the per-turn ratios' median, quartiles and
-extremes, and the total ratio over the turns where each side went first.
+Run back to back (``--pair-order fixed``, rounds 5-7), the second of the pair follows the same
+code and finds the CPU's caches warm, so the first (on) is charged for the cold start. By
+default (``alternate``) the two are split around another system, and swap slots every turn.
+Beside the total ratio (``rise``, comparable across rounds), :func:`rise` gives the per-turn
+ratios' median, quartiles and extremes, and the total ratio over the turns where each side went
+first.
 """
 
 from __future__ import annotations
@@ -75,17 +76,20 @@ def accounting_pair(make_store: Callable[[bool], TierStore]) -> list[BareLoop]:
     return [BareLoop(ON, make_store(True)), BareLoop(OFF, make_store(False))]
 
 
-def turn_order(systems: list[T], pair: Sequence[T], turn: int, order: str) -> list[T]:
-    """``systems`` in this turn's order: with ``order`` "alternate", the pair's two members
-    swap places on odd turns; "fixed" keeps on before off every turn (rounds 5-7)."""
+def turn_order(systems: list[T], pair: Sequence[T], turn: int, order: str,
+               after: T | None = None) -> list[T]:
+    """``systems`` in this turn's order. "fixed" keeps them as given (rounds 5-7: on, then off,
+    back to back). "alternate" splits the pair: the one going first this turn (on on even
+    turns, off on odd ones) runs right after ``after`` (first of all when None), the other
+    last, so neither follows the other and finds the CPU's caches warmed by the same code."""
     if order not in ORDERS:
         raise ValueError(f"pair order {order!r}; known: {', '.join(ORDERS)}")
-    if not pair or order == "fixed" or turn % 2 == 0:
+    if not pair or order == "fixed":
         return systems
-    on, off = systems.index(pair[0]), systems.index(pair[1])
-    swapped = list(systems)
-    swapped[on], swapped[off] = swapped[off], swapped[on]
-    return swapped
+    first, second = (pair[0], pair[1]) if turn % 2 == 0 else (pair[1], pair[0])
+    rest = [s for s in systems if s != first and s != second]
+    i = rest.index(after) + 1 if after is not None else 0
+    return [*rest[:i], first, *rest[i:], second]
 
 
 def rise(pairs: Sequence[Sequence[BareLoop]], clock: Clock, order: str) -> dict[str, object]:

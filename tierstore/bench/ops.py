@@ -292,7 +292,9 @@ class _Systems:
              systems: list[System] | None = None) -> None:
         """One turn of ``systems`` (all by default) on ``prompts``, the pair in this turn's
         order."""
-        for system in turn_order(list(systems or self.all), self.pair, clock.count, order):
+        # Split, the pair's first follows the floor: cold, as the other systems run.
+        for system in turn_order(list(systems or self.all), self.pair, clock.count, order,
+                                 self.floor):
             clock.run(system, prompts)
         clock.count += 1
 
