@@ -181,13 +181,17 @@ class RadixIndex:
             if child is None:
                 break
             ck = child.keys
-            limit = min(len(ck), total - pos)
-            n = 1
-            while n < limit and ck[n] == keys[pos + n]:
-                n += 1
+            m = len(ck)
+            if m == 1 or keys[pos:pos + m] == ck:  # the whole node (the usual case), in C
+                n = m
+            else:  # the keys stop or part inside it: find where
+                limit = min(m, total - pos)
+                n = 1
+                while n < limit and ck[n] == keys[pos + n]:
+                    n += 1
             path.append(Segment(child, n))
             pos += n
-            if n < len(ck):
+            if n < m:
                 break
             node = child
         return path
