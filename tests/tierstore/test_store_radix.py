@@ -3,6 +3,8 @@ to a tier, so a write must never show through another node (or another tier)."""
 
 from __future__ import annotations
 
+import random
+
 from tierstore.eviction import LRU
 from tierstore.radix import ABSENT, CHECKPOINT, TIERS, RadixIndex, Tier
 
@@ -49,3 +51,46 @@ def test_clear_fill_and_split_keep_columns_apart() -> None:
     assert list(a.ids(Tier.L1, "swa")) == [ABSENT] * 4
     assert list(upper.ids(Tier.L1, "kv")) == [0, 1]
     index.check_integrity()
+
+
+def _walk_by_key(index: RadixIndex, keys: list[bytes]) -> list[tuple[int, int]]:
+    """The walk's definition, one key at a time: (node serial, pages matched) per node."""
+    out: list[tuple[int, int]] = []
+    node, j = index.root, 0
+    for key in keys:
+        if j == len(node.keys):  # at the node's end: step into the child for this key
+            child = node.children.get(key)
+            if child is None:
+                break
+            node, j = child, 0
+            out.append((node.serial, 0))
+        elif node.keys[j] != key:
+            break
+        out[-1] = (node.serial, out[-1][1] + 1)
+        j += 1
+    return out
+
+
+def test_walk_is_the_longest_present_run_key_by_key() -> None:
+    rng = random.Random(5)
+    for _ in range(100):
+        index = RadixIndex(LRU().key)
+        runs: list[list[bytes]] = []
+        for _ in range(rng.randint(1, 10)):  # branches off earlier runs, splitting nodes
+            base = rng.choice(runs)[: rng.randint(0, 8)] if runs and rng.random() < 0.7 else []
+            run = base + [bytes([rng.randrange(3), rng.randrange(256)])
+                          for _ in range(rng.randint(1, 6))]
+            runs.append(run)
+            path = index.walk(run)
+            end = index.node_ending_at(path)
+            pos = sum(seg.pages for seg in path)
+            if pos < len(run):
+                index.extend(end, run[pos:])
+        index.check_integrity()
+        for _ in range(30):
+            query = rng.choice(runs)[: rng.randint(0, 12)] + [
+                bytes([rng.randrange(3), rng.randrange(256)]) for _ in range(rng.randint(0, 2))]
+            want = _walk_by_key(index, query)
+            for keys in (query, tuple(query)):  # a whole node compares in one step for lists
+                got = [(seg.node.serial, seg.pages) for seg in index.walk(keys)]
+                assert got == want, (query, got, want)
