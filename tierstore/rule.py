@@ -136,7 +136,7 @@ def held_in_l1(path: Sequence[Segment], *, swa: bool, state: bool, window: int
         last = path[-1]
         if last.pages != len(last.node.keys) or last.node.checkpoint(_L1) < 0:
             return None
-    kv, sw = array("q"), array("q")
+    kv = sw = None
     for seg in path:
         n, p = seg.node, seg.pages
         col = n.ids(_L1, "kv")
@@ -144,9 +144,15 @@ def held_in_l1(path: Sequence[Segment], *, swa: bool, state: bool, window: int
             col = col[:p]
         if ABSENT in col:
             return None
-        kv.extend(col)
-        col = n.ids(_L1, "swa")
-        sw.extend(col if p == len(col) else col[:p])
+        scol = n.ids(_L1, "swa")
+        if p != len(scol):
+            scol = scol[:p]
+        if kv is None or sw is None:  # (building from the first column costs less)
+            kv, sw = array("q", col), array("q", scol)
+        else:
+            kv.extend(col)
+            sw.extend(scol)
+    assert kv is not None and sw is not None, "a path has segments"
     # (outside the window SWA pages may be tombstones: the rule and a promotion skip them)
     if swa and ABSENT in (sw if window >= len(sw) else sw[len(sw) - window:]):
         return None

@@ -168,9 +168,18 @@ class TierStore:
             # nothing to promote: what Mover.promote returns for it
             sources = {1: pages, 2: 0, 3: 0, 4: 0} if self.disk is not None \
                 else {1: pages, 2: 0, 3: 0}
-            return self._hit(node, path, pages, pages, sources, priority,
-                             self.attribution.settle(namespace, n_tokens, len(keys), why,
-                                                     [(pages, "ok")], pages, sources), held)
+            settled = self.attribution.settle(namespace, n_tokens, len(keys), why,
+                                              [(pages, "ok")], pages, sources)
+            if self._selective:  # (write-through after N hits: _hit backs the nodes up)
+                return self._hit(node, path, pages, pages, sources, priority, settled, held)
+            # what _hit does for an all-L1 hit, without its call
+            self._tick += 1
+            self.index.touch(node, float(self._tick), priority, hit=True, wall=time.monotonic())
+            hit = pages * self.layout.page_size
+            self.ledger.hit_l1(hit)
+            return match_result(hit, pages, held[1], held[2],
+                                node.checkpoint(1) if self._state else None, Lease(node, self),
+                                pages, {"l1": hit, "l2": 0, "l3": 0}, *settled)
         found = 0
         for attempt in range(4):
             if attempt:  # the failed try changed the index (splits, absent marks)

@@ -19,11 +19,12 @@ from tierstore.store import TierStore
 from .conftest import FULL_ONLY, HYBRID, PAGE, SWA_ONLY, store
 
 
-def _run(config: dict, host: int, seed: int) -> tuple[list[tuple[object, ...]], object]:
+def _run(config: dict, host: int, seed: int, **kwargs: object
+         ) -> tuple[list[tuple[object, ...]], object]:
     """A random engine loop (shared prefixes, evictions, L2 hits where there is an L2): every
     match's result and the final stats."""
     rng = random.Random(seed)
-    s = store(config, capacity=48 << 10, host_capacity_bytes=host)
+    s = store(config, capacity=48 << 10, host_capacity_bytes=host, **kwargs)
     prefixes = [[rng.randrange(50) for _ in range(PAGE * rng.randrange(1, 5))] for _ in range(4)]
     out: list[tuple[object, ...]] = []
     for _ in range(60):
@@ -56,15 +57,16 @@ def _fields(m: MatchResult) -> tuple[object, ...]:
 
 
 @pytest.mark.parametrize("config", [HYBRID, SWA_ONLY, FULL_ONLY])
-@pytest.mark.parametrize("host", [0, 64 << 10])
-def test_shortcuts_give_the_step_by_step_results(config: dict, host: int,
+@pytest.mark.parametrize(("host", "policy"), [(0, "write_back"), (64 << 10, "write_back"),
+                                              (64 << 10, "write_through_selective")])
+def test_shortcuts_give_the_step_by_step_results(config: dict, host: int, policy: str,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     for seed in range(3):
-        fast = _run(config, host, seed)
+        fast = _run(config, host, seed, write_policy=policy)
         with monkeypatch.context() as mp:
             mp.setattr(rule, "held_in_l1", lambda *a, **k: None)
             mp.setattr(PageHasher, "prompt", lambda *a, **k: None)
-            slow = _run(config, host, seed)
+            slow = _run(config, host, seed, write_policy=policy)
         assert fast == slow
         assert any(r[1] for r in fast[0])  # some matches hit
 
