@@ -32,8 +32,6 @@ import logging
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from functools import partial
-from operator import attrgetter
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from tierstore.ghost import DEFAULT_CAPACITY, Ghost, GhostIndex
@@ -58,7 +56,6 @@ _LOST = {r: 5 + i for i, r in enumerate(REASONS)}
 _EVICTED = {t: 5 + len(REASONS) + i for i, t in enumerate(_TIERS[1:])}
 _SLOTS = 5 + len(REASONS) + 4
 
-_PAGES = attrgetter("pages")  # of a Segment
 Counts = dict[str, int]
 PlanList = Sequence[tuple[int, str]]
 
@@ -76,8 +73,19 @@ def _tally_loops(c: list[int], sources: dict[int, int], lost: Counts, evicted: C
 
 
 _c = load("tierstore._c_ghost")
-_tally: Callable[[list[int], dict[int, int], Counts, Counts], None] = (
-    partial(_c.tally, _LOST, _EVICTED) if _c is not None else _tally_loops)
+
+
+def _tally_slots(lost_slots: dict[str, int], evicted_slots: dict[str, int], c: list[int],
+                 sources: dict[int, int], lost: Counts, evicted: Counts) -> None:
+    """The compiled ``tally``'s signature over :func:`_tally_loops` (the slot maps are
+    this module's)."""
+    _tally_loops(c, sources, lost, evicted)
+
+
+# Called with the slot maps spelled out: a ``functools.partial`` of six arguments allocated
+# its argument array per call (past CPython's small stack of five).
+_tally: Callable[[dict[str, int], dict[str, int], list[int], dict[int, int], Counts, Counts],
+                 None] = _c.tally if _c is not None else _tally_slots
 
 
 def default_tenant(namespace: str) -> str:
@@ -144,7 +152,8 @@ class Attribution:
         n_full = len(keys)
         if full >= n_full:
             return [full, full, {}, {}, 0]
-        walked = sum(map(_PAGES, path))
+        last = path[-1] if path else None  # a walk's segments are contiguous from the root:
+        walked = last.node.depth + last.pages if last is not None else 0  # it ends there
         if walked == full:  # the index names nothing past the usable prefix (the usual)
             if keys[walked] not in self.ghost:  # a new prompt's tail (see _unknown)
                 return [full, full, {"cold": (n_full - walked) * self.page}, {}, 0]
@@ -242,7 +251,7 @@ class Attribution:
         c = self._counts.get(namespace)
         if c is None:
             c = self._counts[namespace] = [0] * _SLOTS
-        _tally(c, sources, lost, evicted)
+        _tally(_LOST, _EVICTED, c, sources, lost, evicted)
         # the KV some tier holds reaches at least as far as what was served
         self._w_shared += found if found > served else served
         if "no_checkpoint" in lost:
