@@ -371,8 +371,13 @@ class RadixIndex:
         if held:  # _count for a leaf that held nothing in the tier: the parent gains a child
             leaf._held[t] = held
             parent._child_held[t] += 1
-            self._refresh(parent, t)
-            self._refresh(leaf, t)
+            # _refresh of both, inlined: the parent now has a holding child (not a candidate);
+            # the unlocked new leaf holds entries and has no child (a candidate)
+            queue = self._queue_at[t]
+            if parent.queued[t]:
+                queue.discard(parent)
+            if not leaf.queued[t]:
+                queue.push(leaf)
         return leaf
 
     def fill(self, node: Node, tier: int, entries: dict[str, list[int]]) -> None:

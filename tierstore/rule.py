@@ -138,13 +138,14 @@ def held_in_l1(path: Sequence[Segment], *, swa: bool, state: bool, window: int
             return None
     kv = sw = None
     for seg in path:
-        n, p = seg.node, seg.pages
-        col = n.ids(_L1, "kv")
+        p = seg.pages
+        cols = seg.node._pages[0]  # (Node.ids(L1, ...) without two calls a segment)
+        col = cols["kv"]
         if p != len(col):
             col = col[:p]
         if ABSENT in col:
             return None
-        scol = n.ids(_L1, "swa")
+        scol = cols["swa"]
         if p != len(scol):
             scol = scol[:p]
         if kv is None or sw is None:  # (building from the first column costs less)
