@@ -28,7 +28,11 @@ class Ledger:
         """``cached(kind)``: the L1 ids of ``kind`` the index names now."""
         self.kinds = tuple(kinds)
         self._cached = cached
-        self.handed: dict[str, set[int]] = {k: set() for k in self.kinds}
+        self._handed: dict[str, set[int]] = {k: set() for k in self.kinds}
+        # Per kind, the one allocation the caller holds, as its list, while the kind's set is
+        # empty: adopting exactly it back (an insert, one request in flight) builds no set.
+        # Every other use reads :attr:`handed`, which folds these into the sets first.
+        self._fresh: dict[str, list[int]] = {}
         self.requests = self.requests_hit = self.tokens_queried = self.tokens_hit = 0
         self.evictions = 0
         self.evicted = dict.fromkeys(self.kinds, 0)
@@ -37,6 +41,16 @@ class Ledger:
         self.hit_requests = dict.fromkeys((*HIT_TIERS, "miss"), 0)
 
     # ------------------------------------------------------------------ ownership
+    @property
+    def handed(self) -> dict[str, set[int]]:
+        """Per kind, the ids handed out and not yet inserted or freed."""
+        fresh = self._fresh
+        if fresh:
+            for kind, ids in fresh.items():
+                self._handed[kind].update(ids)
+            fresh.clear()
+        return self._handed
+
     def cached(self, kind: str) -> set[int]:
         """The L1 ids of ``kind`` the cache holds now (read from the index: O(its size), for
         integrity checks and error messages)."""
@@ -45,6 +59,32 @@ class Ledger:
     def hand_out(self, kind: str, ids: Iterable[int]) -> None:
         """Fresh blocks now belong to a caller."""
         self.handed[kind].update(ids)
+
+    def hand_out_fresh(self, kind: str, ids: list[int]) -> None:
+        """:meth:`hand_out` of ids fresh from the arena (distinct, none held before): kept as
+        the list while the caller holds nothing else of ``kind`` (no set is built when
+        :meth:`adopt_held` takes them back whole: one request in flight)."""
+        if kind not in self._fresh and not self._handed[kind]:  # (KeyError: unknown kind)
+            self._fresh[kind] = ids
+        else:
+            self.handed[kind].update(ids)
+
+    def adopt_held(self, kind: str, ids: list[int]) -> bool:
+        """When the caller holds every one of ``ids`` and none repeats, they pass to the cache
+        (:meth:`adopt`): True. Else False, changing nothing."""
+        fresh = self._fresh
+        if ids == fresh.get(kind):  # exactly the one allocation held (a C compare)
+            del fresh[kind]  # (its set is empty: nothing else is held)
+            return True
+        held = self.handed[kind]
+        if not held.issuperset(ids):
+            return False
+        before = len(held)
+        held.difference_update(ids)
+        if before - len(held) == len(ids):
+            return True
+        held.update(ids)  # a repeat: every one was held, all go back
+        return False
 
     def take_back(self, kind: str, ids: list[int]) -> None:
         """A caller returns blocks unused (``free``); ShapeError, changing nothing, unless
@@ -114,3 +154,4 @@ class Ledger:
 
     def move(self, direction: str, nbytes: int) -> None:
         self.moved[direction] = self.moved.get(direction, 0) + nbytes
+

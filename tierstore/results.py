@@ -158,3 +158,10 @@ def insert_result(stored: bool, new_pages: int, cached_pages: int, checkpoint: b
                          "cached_pages": cached_pages, "checkpoint": checkpoint,
                          "duplicates_freed": duplicates_freed, "swa_dropped": swa_dropped})
     return obj
+
+
+def allocation(blocks: dict[str, torch.Tensor]) -> Allocation:
+    """``Allocation(blocks)`` without the generated ``__init__``'s frame (once per request)."""
+    obj = _new(Allocation)
+    obj.__dict__["blocks"] = blocks
+    return obj

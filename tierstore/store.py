@@ -39,6 +39,7 @@ from tierstore.results import (
     MatchResult,
     PrefixRead,
     StoreStats,
+    allocation,
     insert_result,
     match_result,
 )
@@ -307,7 +308,7 @@ class TierStore:
         demand = checks.demand(self.kinds, demand)
         if not self.mover.make_room(demand):
             return None
-        alloc, hand_out = self.arena.alloc_packed, self.ledger.hand_out
+        alloc, hand_out = self.arena.alloc_packed, self.ledger.hand_out_fresh
         blocks = {}
         for kind, n in demand.items():
             got = alloc(kind, n)
@@ -316,7 +317,7 @@ class TierStore:
             # (n >= 1: demand drops zeros. The bytearray is the tensor's alone.)
             blocks[kind] = torch.frombuffer(packed, dtype=torch.long)
             hand_out(kind, ids)
-        return Allocation(blocks)
+        return allocation(blocks)
 
     def free(self, kind: str, ids: Blocks) -> None:
         """Return blocks from :meth:`allocate` that will not be inserted."""
@@ -346,35 +347,14 @@ class TierStore:
         n_tokens, keys = got
         page = self.layout.page_size
         n_pages = n_tokens // page
-        # ids as allocate hands them out (1-D long tensors of this layout's kinds) pass as
-        # they are, tested in one step; anything else goes through _blocks' checks
-        long, tensor, kinds = torch.long, torch.Tensor, self.kinds
-        given: dict[str, torch.Tensor | None]
-        if (type(kv) is tensor and kv.dtype == long and kv.ndim == 1 and "kv" in kinds
-                and (swa is None or (type(swa) is tensor and swa.dtype == long
-                                     and swa.ndim == 1 and "swa" in kinds))
-                and (state is None or (type(state) is tensor and state.dtype == long
-                                       and state.ndim == 1 and "state" in kinds))):
-            given = {"kv": kv, "swa": swa, "state": state}
-            fast = True
-        else:
-            blocks = self._blocks
-            given = {"kv": blocks("kv", kv), "swa": None if swa is None else blocks("swa", swa),
-                     "state": None if state is None
-                     else blocks("state", [state] if isinstance(state, int) else state)}
-            fast = False
+        blocks = self._blocks
+        given = {"kv": blocks("kv", kv), "swa": None if swa is None else blocks("swa", swa),
+                 "state": None if state is None
+                 else blocks("state", [state] if isinstance(state, int) else state)}
         index = self.index
         path = index.walk(keys)
         cached = path[-1].node.depth + path[-1].pages if path else 0
-        if fast:  # what checks.counts accepts, tested inline (it names what is wrong)
-            k, w, c = given["kv"], given["swa"], given["state"]
-            assert k is not None, "the fast case has kv"
-            fast = (n_pages - cached <= k.shape[0] <= n_pages
-                    and (w is None or w.shape[0] <= n_pages)
-                    and (c is None or (c.shape[0] == 1 and n_pages > 0
-                                       and n_tokens == n_pages * page)))
-        if not fast:
-            checks.counts(given, kinds, page, n_pages, n_tokens, cached)
+        checks.counts(given, self.kinds, page, n_pages, n_tokens, cached)
         lists: dict[str, list[int] | None] = {"kv": None, "swa": None, "state": None}
         as_bytes = False
         ledger = self.ledger
@@ -383,16 +363,14 @@ class TierStore:
             for kind, value in given.items():
                 if value is None:
                     continue
-                if value.dtype == long:
+                if value.dtype == torch.long:
                     ids = lists[kind] = value.tolist()
                     # The common case in one step, no set built: every id is the caller's
                     # (fresh from allocate) and as many leave its set as were given (none
                     # repeats). Linking keeps or frees each of them, so they go now.
-                    if ledger.handed[kind].issuperset(ids):
-                        if ledger.adopt(kind, ids) == len(ids):
-                            adopted.append(kind)
-                            continue
-                        ledger.hand_out(kind, ids)  # a repeat: every one was held, all go back
+                    if ledger.adopt_held(kind, ids):
+                        adopted.append(kind)
+                        continue
                     checks.owned_ids(kind, ids, ledger, path, n_pages)
                 else:
                     as_bytes = True

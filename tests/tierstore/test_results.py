@@ -8,11 +8,19 @@ import inspect
 import pytest
 import torch
 
-from tierstore.results import InsertResult, MatchResult, insert_result, match_result
+from tierstore.results import (
+    Allocation,
+    InsertResult,
+    MatchResult,
+    allocation,
+    insert_result,
+    match_result,
+)
 
 
 @pytest.mark.parametrize(("make", "cls"), [(match_result, MatchResult),
-                                           (insert_result, InsertResult)])
+                                           (insert_result, InsertResult),
+                                           (allocation, Allocation)])
 def test_fast_constructors_take_every_field_in_order(make: object, cls: type) -> None:
     """A field added to the dataclass without its constructor fails here."""
     params = list(inspect.signature(make).parameters)  # type: ignore[arg-type]
@@ -39,3 +47,13 @@ def test_insert_result_equals_the_dataclass() -> None:
         fast.stored = False  # type: ignore[misc]
     with pytest.raises(TypeError):
         insert_result(*args[:-1])  # type: ignore[call-arg]
+
+
+def test_allocation_equals_the_dataclass_and_stays_frozen() -> None:
+    blocks = {"kv": torch.tensor([1, 2]), "swa": torch.tensor([3])}
+    fast = allocation(blocks)
+    assert type(fast) is Allocation
+    assert vars(fast) == vars(Allocation(blocks)) and repr(fast) == repr(Allocation(blocks))
+    assert fast["kv"] is blocks["kv"] and fast["state"].numel() == 0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.blocks = {}  # type: ignore[misc]

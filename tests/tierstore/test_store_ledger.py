@@ -103,3 +103,61 @@ def test_ids_stay_the_callers_when_the_bytes_beside_them_do_not_fit() -> None:
         s.free(kind, alloc[kind])  # the caller's to free
     s.release(lease)  # type: ignore[arg-type]
     s.check_integrity()
+
+
+
+def _adopt_held_by_sets(led: object, kind: str, ids: list[int]) -> bool:
+    """What an insert did before Ledger.adopt_held: test the set, remove, restore a repeat."""
+    if not led.handed[kind].issuperset(ids):  # type: ignore[attr-defined]
+        return False
+    if led.adopt(kind, ids) == len(ids):  # type: ignore[attr-defined]
+        return True
+    led.hand_out(kind, ids)  # type: ignore[attr-defined]
+    return False
+
+
+def test_fresh_allocations_kept_as_lists_read_as_the_sets_would() -> None:
+    """The ledger's shortcut (one allocation held is kept as its list; adopting exactly it
+    builds no set) gives what the sets give, whatever else is held, freed, repeated or
+    handed out in between, and every read of ``handed`` sees the same set."""
+    from tierstore.ledger import Ledger
+
+    steps: list[tuple[str, list[int]]] = [
+        ("fresh", [1, 2, 3]), ("held", [1, 2, 3]),  # the shortcut
+        ("fresh", [4, 5]), ("fresh", [6, 7]), ("held", [6, 7]),  # 4, 5 still held
+        ("held", [4, 5]), ("fresh", [8, 9]), ("take_back", [8]), ("hand_out", [10]),
+        ("held", [9, 10]), ("fresh", [11, 12]), ("held", [11, 11]), ("held", [12, 11]),
+        ("fresh", [13]), ("spare", [13]), ("held", [13]), ("fresh", [14, 15]),
+        ("held", [14]), ("adopt", [15]), ("fresh", [16, 17]), ("read", []),
+        ("held", [16, 17]), ("fresh", [18, 19]), ("held", [18, 19, 20]), ("held", [19]),
+        ("held", [18]), ("fresh", [21]), ("held", []), ("adopt", [21]), ("fresh", [22]),
+        ("held", [22, 22]), ("held", [22]),
+    ]
+
+    def run(shortcut: bool) -> list[object]:
+        led = Ledger(("kv", "swa"), lambda kind: set())
+        out: list[object] = []
+        for op, ids in steps:
+            if op == "fresh":
+                (led.hand_out_fresh if shortcut else led.hand_out)("kv", list(ids))
+            elif op == "held":
+                out.append(led.adopt_held("kv", list(ids)) if shortcut
+                           else _adopt_held_by_sets(led, "kv", list(ids)))
+            elif op == "adopt":
+                out.append(led.adopt("kv", list(ids)))
+            elif op != "read":
+                getattr(led, op)("kv", list(ids))
+            if op == "read" or not shortcut:  # (reading folds the lists: not after every step)
+                out.append(sorted(led.handed["kv"]))
+            else:  # (a private look, so as not to fold them)
+                out.append(sorted(led._handed["kv"] | set(led._fresh.get("kv", []))))
+        return out
+
+    assert run(True) == run(False)
+    assert run(True)[1] is True
+    led = Ledger(("kv",), lambda kind: set())
+    led.hand_out_fresh("kv", [1, 2])
+    assert led._fresh == {"kv": [1, 2]} and not led._handed["kv"]
+    assert led.handed == {"kv": {1, 2}} and not led._fresh
+    with pytest.raises(KeyError):
+        led.hand_out_fresh("swa", [3])
