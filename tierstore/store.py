@@ -347,14 +347,35 @@ class TierStore:
         n_tokens, keys = got
         page = self.layout.page_size
         n_pages = n_tokens // page
-        blocks = self._blocks
-        given = {"kv": blocks("kv", kv), "swa": None if swa is None else blocks("swa", swa),
-                 "state": None if state is None
-                 else blocks("state", [state] if isinstance(state, int) else state)}
+        # ids as allocate hands them out (1-D long tensors of this layout's kinds) pass as
+        # they are, tested in one step; anything else goes through _blocks' checks
+        long, tensor, kinds = torch.long, torch.Tensor, self.kinds
+        given: dict[str, torch.Tensor | None]
+        if (type(kv) is tensor and kv.dtype == long and kv.ndim == 1 and "kv" in kinds
+                and (swa is None or (type(swa) is tensor and swa.dtype == long
+                                     and swa.ndim == 1 and "swa" in kinds))
+                and (state is None or (type(state) is tensor and state.dtype == long
+                                       and state.ndim == 1 and "state" in kinds))):
+            given = {"kv": kv, "swa": swa, "state": state}
+            fast = True
+        else:
+            blocks = self._blocks
+            given = {"kv": blocks("kv", kv), "swa": None if swa is None else blocks("swa", swa),
+                     "state": None if state is None
+                     else blocks("state", [state] if isinstance(state, int) else state)}
+            fast = False
         index = self.index
         path = index.walk(keys)
         cached = path[-1].node.depth + path[-1].pages if path else 0
-        checks.counts(given, self.kinds, page, n_pages, n_tokens, cached)
+        if fast:  # what checks.counts accepts, tested inline (it names what is wrong)
+            k, w, c = given["kv"], given["swa"], given["state"]
+            assert k is not None, "the fast case has kv"
+            fast = (n_pages - cached <= k.shape[0] <= n_pages
+                    and (w is None or w.shape[0] <= n_pages)
+                    and (c is None or (c.shape[0] == 1 and n_pages > 0
+                                       and n_tokens == n_pages * page)))
+        if not fast:
+            checks.counts(given, kinds, page, n_pages, n_tokens, cached)
         lists: dict[str, list[int] | None] = {"kv": None, "swa": None, "state": None}
         as_bytes = False
         ledger = self.ledger
@@ -363,7 +384,7 @@ class TierStore:
             for kind, value in given.items():
                 if value is None:
                     continue
-                if value.dtype == torch.long:
+                if value.dtype == long:
                     ids = lists[kind] = value.tolist()
                     # The common case in one step, no set built: every id is the caller's
                     # (fresh from allocate) and as many leave its set as were given (none
