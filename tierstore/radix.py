@@ -42,6 +42,7 @@ class Tier(IntEnum):
 
 
 TIERS = (Tier.L1, Tier.L2, Tier.L3, Tier.DISK)
+_TIER_AT = tuple(range(len(TIERS)))  # tier - 1 of each
 CHAIN = (Tier.L1, Tier.L2, Tier.DISK, Tier.L3)  # nearest first: demotion walks down it
 TIER_NAMES: dict[int, str] = {Tier.L1: "l1", Tier.L2: "l2", Tier.L3: "l3", Tier.DISK: "disk"}
 Key = Callable[["Node"], tuple[float, ...]]
@@ -279,10 +280,16 @@ class RadixIndex:
             self._queue_at[t].discard(node)
 
     def _refresh_all(self, node: Node) -> None:
-        held, queued = node._held, node.queued
-        for t in range(len(TIERS)):
+        """:meth:`_refresh` of every tier (inlined: this runs on each lock change of a node)."""
+        held, queued, child = node._held, node.queued, node._child_held
+        free = node.lock == 0 and node.parent is not None
+        for t in _TIER_AT:
             if held[t] or queued[t]:  # neither: not a candidate and not queued, nothing to do
-                self._refresh(node, t)
+                if free and held[t] > 0 and child[t] == 0:
+                    if not queued[t]:
+                        self._queue_at[t].push(node)
+                elif queued[t]:
+                    self._queue_at[t].discard(node)
 
     # ---------------------------------------------------------------- mutation
     def split(self, node: Node, pages: int) -> Node:
