@@ -21,7 +21,6 @@ import itertools
 from collections.abc import Callable, Iterator, Sequence
 from enum import IntEnum
 
-from gpu_arena import IntegrityError
 from tierstore.eviction import EvictionQueue
 
 _serial = itertools.count()
@@ -468,41 +467,6 @@ class RadixIndex:
 
     def check_integrity(self) -> None:
         """Raise IntegrityError if the tree's structure, its counts or the eviction queues are
-        inconsistent (the queues against a full scan of the tree)."""
-        nodes = pages = 0
-        for n in self.nodes():
-            nodes += 1
-            pages += len(n.keys)
-            parent = n.parent
-            _require(parent is not None and parent.children.get(n.keys[0]) is n,
-                     "node not linked from its parent under its first key")
-            assert parent is not None
-            _require(n.depth == parent.end, f"depth {n.depth} != parent end {parent.end}")
-            _require(len(n.keys) > 0 and all(len(col) == len(n.keys) for per in n._pages
-                                             for col in per.values()),
-                     f"node of {len(n.keys)} pages has columns of other lengths")
-            _require(all(min(col, default=0) >= ABSENT for per in n._pages for col in per.values())
-                     and min(n._state) >= ABSENT, f"{n!r}: an entry below ABSENT")
-            _require(n.lock >= 0 and all(n.lock >= c.lock for c in n.children.values()),
-                     "a child holds more locks than its parent")
-            _require(all(k == c.keys[0] for k, c in n.children.items()), "child keyed wrongly")
-            for t in range(len(TIERS)):
-                held = sum(v >= 0 for col in n._pages[t].values() for v in col) \
-                    + (n._state[t] >= 0)
-                _require(held == n._held[t], f"{n!r}: tier {t + 1} holds {held}, counted "
-                                             f"{n._held[t]}")
-                kids = sum(c._held[t] > 0 for c in n.children.values())
-                _require(kids == n._child_held[t], f"{n!r}: {kids} children hold tier {t + 1}, "
-                                                   f"counted {n._child_held[t]}")
-        _require(nodes == self.num_nodes and pages == self.num_pages,
-                 f"counted {nodes} nodes / {pages} pages, recorded {self.num_nodes} / "
-                 f"{self.num_pages}")
-        for tier, queue in self.queues.items():
-            want = {id(n) for n in self.nodes() if n.evictable(tier)}
-            _require({id(n) for n in queue.members()} == want,
-                     f"tier {tier}: the eviction queue disagrees with a scan of the tree")
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise IntegrityError(message)
+        inconsistent (:func:`tierstore.integrity.check_index`)."""
+        from tierstore.integrity import check_index  # (it imports this module)
+        check_index(self)

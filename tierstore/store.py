@@ -15,10 +15,11 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from gpu_arena import Arena, Fence, IntegrityError, PoolSpec
+from gpu_arena import Arena, Fence, PoolSpec
 from host_tier import HostTier
-from tierstore import checks, rule
+from tierstore import checks, integrity, rule
 from tierstore.attribution import Explanation, attribution_for
+from tierstore.bytes_insert import insert_bytes
 from tierstore.checks import Blocks
 from tierstore.config import StoreConfig
 from tierstore.disk import DiskBridge
@@ -82,8 +83,8 @@ class TierStore:
         self.index = RadixIndex(self.policy.key)
         self.hasher = PageHasher(layout.name, layout.fingerprint, layout.page_size,
                                  config.hash_algorithm)
-        self.ledger = Ledger(self.kinds, lambda kind: set(_named(self.index, Tier.L1,
-                                                                 (kind,))[kind]))
+        self.ledger = Ledger(self.kinds, lambda kind: set(
+            integrity.named_ids(self.index, Tier.L1, (kind,))[kind]))
         self.mover = Mover(self.arena, self.host, self.remote, self.index, layout, self.ledger,
                            config, self.disk)
         # Tiers a match may use: all, and those that never block (L3 can)
@@ -396,7 +397,7 @@ class TierStore:
                 else:
                     as_bytes = True
             if as_bytes:  # copy into fresh blocks first, so a shortfall changes nothing
-                stored = self._insert_bytes(given, lists, keys, path, n_pages)
+                stored = insert_bytes(self, given, lists, keys, path, n_pages)
                 if stored is None:  # nothing is linked: the caller holds its ids again
                     for kind in adopted:
                         ledger.hand_out(kind, lists[kind])  # type: ignore[arg-type]
@@ -438,47 +439,6 @@ class TierStore:
             return value
         return checks.blocks(kind, self.kinds, value, self._units.get(kind))
 
-    def _insert_bytes(self, given: dict[str, torch.Tensor | None],
-                      lists: dict[str, list[int] | None], keys: list[bytes],
-                      path: list[Segment], n_pages: int) -> list[Segment] | None:
-        """Copy the envelope bytes an insert was given into fresh L1 blocks (evicting as
-        needed) and put their ids in ``lists``; the walk of ``keys`` again, or None (nothing
-        changed) when they do not fit."""
-        need = checks.bytes_demand(given, path, n_pages)
-        demand = {k: sum(m) for k, m in need.items() if any(m)}
-        if demand:
-            anchor = self.index.node_ending_at(path) if path else None
-            if anchor is not None:
-                self.index.lock(anchor, +1)
-            try:
-                if not self.mover.make_room(demand):
-                    return None
-            finally:
-                if anchor is not None:
-                    self.index.lock(anchor, -1)
-            path = self.index.walk(keys)  # the anchor was locked: the path is intact
-        for kind, mask in need.items():
-            data = given[kind]
-            assert data is not None
-            ids = self._store_bytes(kind, data, mask)
-            lists[kind] = ids if kind != CHECKPOINT or ids[0] >= 0 else None
-        return path
-
-    def _store_bytes(self, kind: str, data: torch.Tensor, need: list[bool]) -> list[int]:
-        """Write the rows of ``data`` that ``need`` marks into fresh L1 blocks (handed to the
-        insert); ids per row (-1 where the page already has an L1 copy)."""
-        out = [-1] * len(data)
-        count = sum(need)
-        if count:
-            fresh = self.arena.alloc(kind, count)
-            assert fresh is not None, f"{kind}: room was made for {count} blocks"
-            rows = data if count == len(need) else data[torch.tensor(need, dtype=torch.bool)]
-            self.arena.write(kind, fresh, rows.to(self.arena.device))
-            fresh_ids = iter(fresh.tolist())
-            out = [next(fresh_ids) if n else -1 for n in need]
-            self.ledger.hand_out(kind, (i for i in out if i >= 0))
-        return out
-
     # ============================================================= inspection
     def stats(self) -> StoreStats:
         """Counters since start and occupancy now."""
@@ -495,47 +455,11 @@ class TierStore:
 
     def check_integrity(self) -> None:
         """Raise IntegrityError if the arena, the index (its eviction queues included) or their
-        agreement with the ledger is broken: every L1 id in the index is live and cached once,
-        every id handed out is live and not cached, and live = cached + handed out."""
-        self.arena.check_integrity()
-        self.index.check_integrity()
-        named = {t: _named(self.index, t, self.kinds) for t in (Tier.L1, Tier.L2)}
-        ledger = self.ledger
-        for kind in self.kinds:
-            ids, handed = named[Tier.L1][kind], ledger.handed[kind]
-            if len(ids) != len(set(ids)):
-                raise IntegrityError(f"{kind}: the index names an L1 id twice")
-            if not handed.isdisjoint(ids):
-                raise IntegrityError(f"{kind}: ids both cached and handed out")
-            live = self.arena.num_live(kind)
-            if live != len(ids) + len(handed):
-                raise IntegrityError(f"{kind}: {live} live blocks != {len(ids)} cached + "
-                                     f"{len(handed)} handed out")
-            for some in (ids, sorted(handed)):
-                if some:
-                    self.arena.resolve(kind, some)  # raises if any is not live
-        if self.host is not None:
-            self.host.check_integrity()
-            for kind in self.kinds:
-                held = named[Tier.L2][kind]
-                if len(held) != len(set(held)) or len(held) != self.host.arena.num_live(kind):
-                    raise IntegrityError(f"{kind}: L2 holds {self.host.arena.num_live(kind)} "
-                                         f"blocks, the index names {len(held)}")
+        agreement with the ledger is broken (:func:`tierstore.integrity.check_store`)."""
+        integrity.check_store(self)
 
     # =============================================================== helpers
     def _touch(self, node: Node, priority: int, *, hit: bool) -> None:
         self._tick += 1
         self.index.touch(node, float(self._tick), priority, hit=hit, wall=time.monotonic())
 
-
-def _named(index: RadixIndex, tier: int, kinds: Sequence[str]) -> dict[str, list[int]]:
-    """Every id the index names in ``tier``, per kind."""
-    out: dict[str, list[int]] = {k: [] for k in kinds}
-    for n in index.nodes():
-        for kind in kinds:
-            if kind == CHECKPOINT:
-                if n.checkpoint(tier) >= 0:
-                    out[kind].append(n.checkpoint(tier))
-            else:
-                out[kind] += [v for v in n.ids(tier, kind) if v >= 0]
-    return out
