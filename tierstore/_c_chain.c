@@ -1,7 +1,6 @@
 // Compiled page-key chain for tierstore.hashing (the pure-Python path there gives the same keys).
 //
 // chain:   h_i = sha256(h_{i-1} || page_i) for a run of pages of packed uint32 LE tokens.
-// shared:  how many leading pages two packed prompts have in common.
 // extend:  a prompt's keys from a remembered one's (shared pages reused, the rest chained).
 // pack:    a token array's leading pages as bytes (the memo's key and record).
 // narrow_i64 / pack_ints: token ids (int64 buffer, list or tuple of ints) into a uint32 buffer,
@@ -175,49 +174,6 @@ done:
     PyBuffer_Release(&packed);
     PyBuffer_Release(&prev);
     return keys;
-}
-
-PyDoc_STRVAR(shared_doc,
-"shared(a, b, step, limit) -> int\n\n"
-"How many leading pages (step bytes each, at most limit) a and b have in common; both must\n"
-"hold at least limit whole pages. Changes nothing.");
-
-static PyObject *
-shared(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
-{
-    if (nargs != 4) {
-        PyErr_Format(PyExc_TypeError, "shared() takes 4 arguments (%zd given)", nargs);
-        return NULL;
-    }
-    Py_ssize_t step, limit;
-    if (get_count(args[2], "shared", "step", &step) < 0
-            || get_count(args[3], "shared", "limit", &limit) < 0)
-        return NULL;
-    if (step == 0) {
-        PyErr_SetString(PyExc_ValueError, "shared(): step must be > 0");
-        return NULL;
-    }
-    Py_buffer a, b;
-    if (PyObject_GetBuffer(args[0], &a, PyBUF_SIMPLE) < 0) return NULL;
-    if (PyObject_GetBuffer(args[1], &b, PyBUF_SIMPLE) < 0) {
-        PyBuffer_Release(&a);
-        return NULL;
-    }
-    PyObject *result = NULL;
-    if (limit > a.len / step || limit > b.len / step) {
-        PyErr_Format(PyExc_ValueError,
-                     "shared(): limit %zd is past the whole pages of %zd and %zd bytes", limit,
-                     a.len, b.len);
-        goto done;
-    }
-    const unsigned char *pa = a.buf, *pb = b.buf;
-    Py_ssize_t n = 0;
-    while (n < limit && memcmp(pa + n * step, pb + n * step, (size_t)step) == 0) n++;
-    result = PyLong_FromSsize_t(n);
-done:
-    PyBuffer_Release(&b);
-    PyBuffer_Release(&a);
-    return result;
 }
 
 PyDoc_STRVAR(extend_doc,
@@ -546,7 +502,6 @@ done:
 
 static PyMethodDef methods[] = {
     {"chain", (PyCFunction)(void (*)(void))chain, METH_FASTCALL, chain_doc},
-    {"shared", (PyCFunction)(void (*)(void))shared, METH_FASTCALL, shared_doc},
     {"extend", (PyCFunction)(void (*)(void))extend, METH_FASTCALL, extend_doc},
     {"narrow_i64", (PyCFunction)(void (*)(void))narrow_i64, METH_FASTCALL, narrow_i64_doc},
     {"pack_ints", (PyCFunction)(void (*)(void))pack_ints, METH_FASTCALL, pack_ints_doc},

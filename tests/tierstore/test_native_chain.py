@@ -63,20 +63,6 @@ def test_chain_equals_hashlib(prev: bytes, tokens: list[int], page: int,
     assert _c.chain(memoryview(prev), memoryview(packed), step, first, count) == got
 
 
-@settings(max_examples=200, deadline=None)
-@given(a=st.lists(st.integers(0, 3), max_size=60), b=st.lists(st.integers(0, 3), max_size=60),
-       page=st.integers(1, 6), data=st.data())
-def test_shared_counts_equal_leading_pages(a: list[int], b: list[int], page: int,
-                                           data: st.DataObject) -> None:
-    pa, pb, step = np.array(a, "<u4").tobytes(), np.array(b, "<u4").tobytes(), page * 4
-    limit = data.draw(st.integers(0, min(len(a), len(b)) // page))
-    want = 0
-    while want < limit and pa[want * step : (want + 1) * step] == pb[want * step : (want + 1)
-                                                                      * step]:
-        want += 1
-    assert _c.shared(pa, pb, step, limit) == want
-
-
 @st.composite
 def _prompt_runs(draw: st.DrawFn) -> tuple[int, list[tuple[str, list[int]]]]:
     """A page size and a run of prompts that share prefixes, extend and cut each other."""
@@ -241,19 +227,6 @@ def test_chain_rejects_bad_types(args: tuple[object, ...]) -> None:
         _c.chain(*args)
 
 
-def test_shared_rejects_bad_arguments() -> None:
-    with pytest.raises(ValueError):
-        _c.shared(b"\0" * 8, b"\0" * 4, 4, 2)  # past b's pages
-    with pytest.raises(ValueError):
-        _c.shared(b"\0" * 8, b"\0" * 8, 0, 1)
-    with pytest.raises(ValueError):
-        _c.shared(b"\0" * 8, b"\0" * 8, 4, -1)
-    with pytest.raises(TypeError):
-        _c.shared("ab", b"\0" * 8, 4, 1)
-    with pytest.raises(TypeError):
-        _c.shared(b"\0" * 8, b"\0" * 8, 4)
-
-
 def test_packers_reject_bad_arguments() -> None:
     out = np.empty(3, "<u4")
     with pytest.raises(TypeError):  # not int64 items
@@ -355,9 +328,6 @@ def test_buffers_are_released_on_every_path() -> None:
         lambda: _c.chain(prev, packed, 4, 0, 5),           # raises after taking both buffers
         lambda: _c.chain(bytearray(31), packed, 4, 0, 1),
         lambda: _c.chain(prev, "not a buffer", 4, 0, 1),   # raises after taking prev
-        lambda: _c.shared(prev, packed, 4, 4),
-        lambda: _c.shared(prev, packed, 4, 5),
-        lambda: _c.shared(prev, "x", 4, 1),
         lambda: _c.narrow_i64(memoryview(packed).cast("q"), memoryview(out).cast("I")),
         lambda: _c.narrow_i64(memoryview(packed).cast("q"), memoryview(packed).cast("I")),
         lambda: _c.pack_ints([1, 2], memoryview(out).cast("I")),
