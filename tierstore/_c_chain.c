@@ -124,6 +124,15 @@ chain_into(PyObject *keys, Py_ssize_t at, unsigned char *h, const unsigned char 
     return 0;
 }
 
+// A FASTCALL function's argument count: nonzero (TypeError set) when it is not want.
+static int
+wrong_nargs(Py_ssize_t nargs, Py_ssize_t want, const char *name)
+{
+    if (nargs == want) return 0;
+    PyErr_Format(PyExc_TypeError, "%s() takes %zd arguments (%zd given)", name, want, nargs);
+    return 1;
+}
+
 PyDoc_STRVAR(chain_doc,
 "chain(prev, packed, step, first, count) -> list[bytes]\n\n"
 "The keys of pages first .. first+count-1 of packed (step bytes each), chained from the\n"
@@ -132,10 +141,7 @@ PyDoc_STRVAR(chain_doc,
 static PyObject *
 chain(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 5) {
-        PyErr_Format(PyExc_TypeError, "chain() takes 5 arguments (%zd given)", nargs);
-        return NULL;
-    }
+    if (wrong_nargs(nargs, 5, "chain")) return NULL;
     Py_ssize_t step, first, count;
     if (get_count(args[2], "chain", "step", &step) < 0
             || get_count(args[3], "chain", "first", &first) < 0
@@ -187,10 +193,7 @@ PyDoc_STRVAR(extend_doc,
 static PyObject *
 extend(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 4) {
-        PyErr_Format(PyExc_TypeError, "extend() takes 4 arguments (%zd given)", nargs);
-        return NULL;
-    }
+    if (wrong_nargs(nargs, 4, "extend")) return NULL;
     PyObject *root = args[0], *seen = args[1];
     Py_ssize_t step;
     if (get_count(args[3], "extend", "step", &step) < 0) return NULL;
@@ -303,10 +306,7 @@ PyDoc_STRVAR(narrow_i64_doc,
 static PyObject *
 narrow_i64(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 2) {
-        PyErr_Format(PyExc_TypeError, "narrow_i64() takes 2 arguments (%zd given)", nargs);
-        return NULL;
-    }
+    if (wrong_nargs(nargs, 2, "narrow_i64")) return NULL;
     Py_buffer src, out;
     if (PyObject_GetBuffer(args[0], &src, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) return NULL;
     const char *f = plain_format(&src);
@@ -343,10 +343,7 @@ PyDoc_STRVAR(pack_ints_doc,
 static PyObject *
 pack_ints(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 2) {
-        PyErr_Format(PyExc_TypeError, "pack_ints() takes 2 arguments (%zd given)", nargs);
-        return NULL;
-    }
+    if (wrong_nargs(nargs, 2, "pack_ints")) return NULL;
     PyObject *seq = args[0];
     if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq)) {
         PyErr_Format(PyExc_TypeError, "pack_ints(): seq must be a list or tuple, got %s",
@@ -397,10 +394,7 @@ PyDoc_STRVAR(pack_doc,
 static PyObject *
 pack(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 2) {
-        PyErr_Format(PyExc_TypeError, "pack() takes 2 arguments (%zd given)", nargs);
-        return NULL;
-    }
+    if (wrong_nargs(nargs, 2, "pack")) return NULL;
     Py_ssize_t count;
     if (get_count(args[1], "pack", "count", &count) < 0) return NULL;
     Py_buffer view;
@@ -431,10 +425,7 @@ PyDoc_STRVAR(pack_prompt_doc,
 static PyObject *
 pack_prompt(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 3) {
-        PyErr_Format(PyExc_TypeError, "pack_prompt() takes 3 arguments (%zd given)", nargs);
-        return NULL;
-    }
+    if (wrong_nargs(nargs, 3, "pack_prompt")) return NULL;
     Py_ssize_t page, limit;
     if (get_count(args[1], "pack_prompt", "page", &page) < 0
             || get_count(args[2], "pack_prompt", "limit", &limit) < 0)
