@@ -1,19 +1,17 @@
 """Consistency checks of a store and its prefix index (tests, soak runs and ``--check``).
 
-Kept apart from the hot paths they check: :meth:`TierStore.check_integrity` and
-:meth:`RadixIndex.check_integrity` call these.
+Kept apart from the hot paths they check: :meth:`TierStore.check_integrity` calls
+:func:`check_store`, which checks the index with :func:`check_index`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-from gpu_arena import IntegrityError
+from gpu_arena import Arena, IntegrityError
+from host_tier import HostTier
+from tierstore.ledger import Ledger
 from tierstore.radix import ABSENT, CHECKPOINT, TIERS, RadixIndex, Tier
-
-if TYPE_CHECKING:
-    from tierstore.store import TierStore
 
 
 def named_ids(index: RadixIndex, tier: int, kinds: Sequence[str]) -> dict[str, list[int]]:
@@ -29,15 +27,15 @@ def named_ids(index: RadixIndex, tier: int, kinds: Sequence[str]) -> dict[str, l
     return out
 
 
-def check_store(store: TierStore) -> None:
-    """Raise IntegrityError if the arena, the index (its eviction queues included) or their
-    agreement with the ledger is broken: every L1 id in the index is live and cached once,
+def check_store(arena: Arena, index: RadixIndex, ledger: Ledger, host: HostTier | None,
+                kinds: Sequence[str]) -> None:
+    """Raise IntegrityError if a store's arena, its index (eviction queues included) or their
+    agreement with its ledger is broken: every L1 id in the index is live and cached once,
     every id handed out is live and not cached, and live = cached + handed out."""
-    arena, index, ledger, host = store.arena, store.index, store.ledger, store.host
     arena.check_integrity()
-    index.check_integrity()
-    named = {t: named_ids(index, t, store.kinds) for t in (Tier.L1, Tier.L2)}
-    for kind in store.kinds:
+    check_index(index)
+    named = {t: named_ids(index, t, kinds) for t in (Tier.L1, Tier.L2)}
+    for kind in kinds:
         ids, handed = named[Tier.L1][kind], ledger.handed[kind]
         if len(ids) != len(set(ids)):
             raise IntegrityError(f"{kind}: the index names an L1 id twice")
@@ -52,7 +50,7 @@ def check_store(store: TierStore) -> None:
                 arena.resolve(kind, some)  # raises if any is not live
     if host is not None:
         host.check_integrity()
-        for kind in store.kinds:
+        for kind in kinds:
             held = named[Tier.L2][kind]
             if len(held) != len(set(held)) or len(held) != host.arena.num_live(kind):
                 raise IntegrityError(f"{kind}: L2 holds {host.arena.num_live(kind)} "

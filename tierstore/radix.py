@@ -159,8 +159,8 @@ class Segment:
 
 
 class RadixIndex:
-    """The tree. Every mutation keeps :meth:`check_integrity` true; ``key`` orders eviction
-    candidates (the policy's key: the smallest goes first)."""
+    """The tree. Every mutation keeps :func:`tierstore.integrity.check_index` true; ``key``
+    orders eviction candidates (the policy's key: the smallest goes first)."""
 
     def __init__(self, key: Key) -> None:
         self.root = Node(parent=None, depth=0)
@@ -464,9 +464,3 @@ class RadixIndex:
             out.append(n)
             n = n.parent
         return out[::-1]
-
-    def check_integrity(self) -> None:
-        """Raise IntegrityError if the tree's structure, its counts or the eviction queues are
-        inconsistent (:func:`tierstore.integrity.check_index`)."""
-        from tierstore.integrity import check_index  # (it imports this module)
-        check_index(self)

@@ -7,7 +7,7 @@ of the window before P are present (layouts with sliding-window layers).
 Presence is read per segment with C-level list operations (``ABSENT in column``): when L1
 holds a segment whole, which is the common case, the segment costs a slice and a scan, not
 a Python step per page. Entries are ``>= 0`` or exactly ``ABSENT`` (the index keeps them so;
-:meth:`RadixIndex.check_integrity` checks it).
+:func:`tierstore.integrity.check_index` checks it).
 """
 
 from __future__ import annotations

@@ -397,7 +397,8 @@ class TierStore:
                 else:
                     as_bytes = True
             if as_bytes:  # copy into fresh blocks first, so a shortfall changes nothing
-                stored = insert_bytes(self, given, lists, keys, path, n_pages)
+                stored = insert_bytes(self.index, self.mover, self.arena, self.ledger, given, lists,
+                                      keys, path, n_pages)
                 if stored is None:  # nothing is linked: the caller holds its ids again
                     for kind in adopted:
                         ledger.hand_out(kind, lists[kind])  # type: ignore[arg-type]
@@ -456,7 +457,7 @@ class TierStore:
     def check_integrity(self) -> None:
         """Raise IntegrityError if the arena, the index (its eviction queues included) or their
         agreement with the ledger is broken (:func:`tierstore.integrity.check_store`)."""
-        integrity.check_store(self)
+        integrity.check_store(self.arena, self.index, self.ledger, self.host, self.kinds)
 
     # =============================================================== helpers
     def _touch(self, node: Node, priority: int, *, hit: bool) -> None:

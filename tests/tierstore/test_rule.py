@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from tierstore import rule
 from tierstore.eviction import LRU
+from tierstore.integrity import check_index
 from tierstore.radix import ABSENT, TIERS, RadixIndex, Segment, Tier
 
 
@@ -91,7 +92,7 @@ def _random_path(sizes: list[int], data: st.DataObject, entry: st.SearchStrategy
         parent = node
     last = data.draw(st.integers(1, sizes[-1]))
     path[-1] = Segment(path[-1].node, last)
-    index.check_integrity()
+    check_index(index)
     return path
 
 

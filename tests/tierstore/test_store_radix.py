@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 from tierstore.eviction import LRU
+from tierstore.integrity import check_index
 from tierstore.radix import ABSENT, CHECKPOINT, TIERS, RadixIndex, Tier
 
 
@@ -28,7 +29,7 @@ def test_a_write_shows_only_in_its_node_and_tier() -> None:
     c = index.extend(index.root, _keys(3, 4))  # a node made after the writes starts empty
     assert all(list(c.ids(t, k)) == [ABSENT] * 4 for t in TIERS for k in ("kv", "swa"))
     assert a.holds(Tier.L1) and not a.holds(Tier.L2) and b.holds(Tier.L2)
-    index.check_integrity()
+    check_index(index)
 
 
 def test_clear_fill_and_split_keep_columns_apart() -> None:
@@ -41,7 +42,7 @@ def test_clear_fill_and_split_keep_columns_apart() -> None:
     assert list(upper.ids(Tier.L1, "kv")) == [0, 1] and list(a.ids(Tier.L1, "kv")) == [2, 3, 4, 5]
     assert list(upper.ids(Tier.L3, "kv")) == [ABSENT, 1]
     assert list(a.ids(Tier.L2, "kv")) == [ABSENT] * 4 and a.checkpoint(Tier.L1) == 40
-    index.check_integrity()
+    check_index(index)
     removed = index.clear(a, Tier.L1)
     assert removed == {"kv": [2, 3, 4, 5], "swa": [8, 9, 10, 11], CHECKPOINT: [40]}
     assert list(a.ids(Tier.L1, "swa")) == [ABSENT] * 4 and not a.holds(Tier.L1)
@@ -50,7 +51,7 @@ def test_clear_fill_and_split_keep_columns_apart() -> None:
     assert list(a.ids(Tier.L1, "kv")) == [20, 21, ABSENT, 23]
     assert list(a.ids(Tier.L1, "swa")) == [ABSENT] * 4
     assert list(upper.ids(Tier.L1, "kv")) == [0, 1]
-    index.check_integrity()
+    check_index(index)
 
 
 def _walk_by_key(index: RadixIndex, keys: list[bytes]) -> list[tuple[int, int]]:
@@ -86,7 +87,7 @@ def test_walk_is_the_longest_present_run_key_by_key() -> None:
             pos = sum(seg.pages for seg in path)
             if pos < len(run):
                 index.extend(end, run[pos:])
-        index.check_integrity()
+        check_index(index)
         for _ in range(30):
             query = rng.choice(runs)[: rng.randint(0, 12)] + [
                 bytes([rng.randrange(3), rng.randrange(256)]) for _ in range(rng.randint(0, 2))]
