@@ -98,15 +98,11 @@ class Ledger:
                              f"caller (they belong to {owner}), first {foreign[0]}")
         handed.difference_update(ids)
 
-    def adopt(self, kind: str, ids: Iterable[int]) -> int:
+    def adopt(self, kind: str, ids: Iterable[int]) -> None:
         """Blocks pass to the cache (the index now names them): the caller's (inserted) or
-        fresh ones (promotion); how many of them the caller held (an insert checks with it
-        that its ids were distinct). Cached blocks that leave the cache need no call: the
-        index stops naming them."""
-        handed = self.handed[kind]
-        before = len(handed)
-        handed.difference_update(ids)
-        return before - len(handed)
+        fresh ones (promotion). Cached blocks that leave the cache need no call: the index
+        stops naming them."""
+        self.handed[kind].difference_update(ids)
 
     def spare(self, kind: str, ids: Iterable[int]) -> None:
         """Handed-out blocks the cache did not keep (duplicates); they are freed."""
@@ -154,4 +150,3 @@ class Ledger:
 
     def move(self, direction: str, nbytes: int) -> None:
         self.moved[direction] = self.moved.get(direction, 0) + nbytes
-
