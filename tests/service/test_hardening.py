@@ -9,7 +9,9 @@ import asyncio
 import http.client
 import json
 import socket
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import msgpack
 import pytest
@@ -300,3 +302,35 @@ def test_a_body_cut_short_is_a_4xx_not_a_500(svc: RunningService) -> None:
     text = conn.getresponse().read().decode()
     assert 'endpoint="/v1/match",status="400"' in text
     assert 'status="500"' not in text
+
+
+def test_a_body_that_arrives_after_shutdown_began_is_still_read() -> None:
+    """aiohttp drops what a connection sends once shutdown begins, even the rest of the body
+    of a request it is serving; without ``GuardedHandler._drain`` that request waits out
+    ``body_timeout_s`` and holds the shutdown as long (CI saw a 30 s stall)."""
+    running = RunningService(tiny_store(), _config(body_timeout_s=60.0)).start()
+    assert running._runner is not None
+    body = msgpack.packb({"tokens": [1, 2, 3, 4]})
+    head = _request("/v1/match", body)[:-len(body)]
+    with socket.create_connection(("127.0.0.1", running.config.port), timeout=10) as sock:
+        sock.sendall(head)
+        server = running._runner.server
+        assert server is not None
+        handler = _wait_for(lambda: next(
+            (h for h in server.connections if h._request_in_progress), None))
+        cleanup = asyncio.run_coroutine_threadsafe(running._runner.cleanup(), running._loop)
+        _wait_for(lambda: handler._draining)
+        sock.sendall(body)
+        status, _, answer = _parse(_read_all(sock))
+        cleanup.result(10)  # without the drain: body_timeout_s (60 s) first
+    running._runner = None
+    running.stop()
+    assert status == 200 and json.loads(answer)["lost"] == {"cold": 4}
+
+
+def _wait_for(probe: Callable[[], Any], within_s: float = 10.0) -> Any:
+    deadline = time.monotonic() + within_s
+    while not (value := probe()):
+        assert time.monotonic() < deadline, "the condition never held"
+        time.sleep(0.005)
+    return value

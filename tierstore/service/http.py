@@ -4,8 +4,9 @@ in-flight body bytes, and aiohttp's own parser errors answered in the JSON error
 aiohttp has a keep-alive timeout and a body size limit but no header-read timeout, no
 connection cap, and it reads a body up to the limit before refusing it; its parser errors are
 ``text/plain``. ``GuardedRunner`` runs an app behind a ``RequestHandler`` subclass that adds
-these (it uses aiohttp's request-handler internals: ``_request_count`` and ``_kwargs``,
-checked by ``tests/service/test_hardening.py``).
+these, and it finishes reading a body already begun when shutdown starts (it uses aiohttp's
+request-handler internals: ``_request_count``, ``_kwargs``, ``_parser`` and
+``_request_in_progress``, checked by ``tests/service/test_hardening.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 
 from tierstore.service.body import (
@@ -100,8 +102,12 @@ class GuardedHandler(RequestHandler):
         self.header_timeout_s = header_timeout_s
         self.in_flight = 0  # requests parsed and not yet answered
         self._header_timer: asyncio.TimerHandle | None = None
+        self._draining = False  # shutdown began: only the body of the request being served
 
     def data_received(self, data: bytes) -> None:
+        if self._draining:
+            self._drain(data)
+            return
         before = self._request_count
         if self.in_flight == 0 and self._header_timer is None and data:
             self._header_timer = self._loop.call_later(self.header_timeout_s,
@@ -118,6 +124,22 @@ class GuardedHandler(RequestHandler):
             return await super().finish_response(request, resp, start_time)
         finally:
             self.in_flight = max(0, self.in_flight - 1)
+
+    async def shutdown(self, timeout: float | None = 15.0) -> None:
+        self._draining = True
+        await super().shutdown(timeout)
+
+    def _drain(self, data: bytes) -> None:
+        """Once shutdown begins aiohttp drops what a connection sends, even the rest of the
+        body of a request it is serving and waits for (aiohttp#2298): that request then waits
+        out ``body_timeout_s`` and holds shutdown as long. Its body is still read here; a
+        request that starts now is not served (the connection closes after the answer)."""
+        if not self._request_in_progress or self._parser is None:
+            return
+        try:
+            self._parser.feed_data(data)
+        except HttpProcessingError:  # a malformed next request: nothing more is read
+            self._parser = None
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._cancel_header_timer()
