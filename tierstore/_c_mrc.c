@@ -20,6 +20,25 @@ static inline int below(PyObject *key, const char *lim, Py_ssize_t nlim) {
     return c < 0 || (c == 0 && n < nlim);
 }
 
+// The end prefilter (mrc_loops.END_BITS): one bit per value of a key's bytes 8-10 (18 low
+// bits), set for every key in the end set. Keys are uniform hashes, so a clear bit rules a key
+// out without hashing it for the end set's lookup; a set bit (or a key under 11 bytes) only
+// says "look it up". No false negatives: the ends found are the same.
+#define END_BITS (1 << 18)
+#define END_BYTES (END_BITS / 8)
+
+static inline long end_bit(PyObject *key) {
+    if (PyBytes_GET_SIZE(key) < 11) return -1;
+    const unsigned char *p = (const unsigned char *)PyBytes_AS_STRING(key);
+    return (long)((((unsigned long)p[8] << 16) | ((unsigned long)p[9] << 8) | p[10])
+                  & (END_BITS - 1));
+}
+
+static inline int end_maybe(PyObject *key, const unsigned char *bits) {
+    long b = end_bit(key);
+    return b < 0 || (bits[b >> 3] >> (b & 7)) & 1;
+}
+
 // int.from_bytes(key[4:8], "big") < threshold
 static inline int end_sampled(PyObject *key, unsigned long long threshold) {
     Py_ssize_t n = PyBytes_GET_SIZE(key);
@@ -87,10 +106,12 @@ static int check_keys(PyObject *keys) {
     return 0;
 }
 
-// Append positions [start, n) of keys passing a test to list out. (A key stored in set may
+// Append positions [start, n) of keys passing a test to list out: under lim, or in set (with
+// bits: only those the end prefilter lets through are looked up). (A key stored in set may
 // compare by Python code, which could change keys: the key is held, its list read afresh.)
 static int append_positions(PyObject *out, PyObject *keys, Py_ssize_t start, Py_ssize_t n,
-                            const char *lim, Py_ssize_t nlim, PyObject *set) {
+                            const char *lim, Py_ssize_t nlim, PyObject *set,
+                            const unsigned char *bits) {
     for (Py_ssize_t i = start; i < n; i++) {
         if (PySequence_Fast_GET_SIZE(keys) != n) {
             PyErr_SetString(PyExc_RuntimeError, "scan: the keys changed during the call");
@@ -98,7 +119,9 @@ static int append_positions(PyObject *out, PyObject *keys, Py_ssize_t start, Py_
         }
         PyObject *key = PySequence_Fast_ITEMS(keys)[i];
         int hit;
-        if (set != NULL) {
+        if (set != NULL && bits != NULL && !end_maybe(key, bits)) {
+            hit = 0;  // not in the end set: no hash, no probe
+        } else if (set != NULL) {
             Py_INCREF(key);
             hit = PyDict_Contains(set, key);
             Py_DECREF(key);
@@ -126,13 +149,39 @@ static int is_int_list(PyObject *o, const char *name) {
     return 1;
 }
 
-// scan(keys, limit, end_set, end_threshold, space, known_n, known_ends, known_low)
+static PyObject *scan_with(PyObject *const *args, const unsigned char *bits);
+
+// The end prefilter's bytes held for a call (an export: a bytearray cannot resize under it),
+// or view->buf NULL for None. -1 (an error set) when it is neither None nor END_BYTES bytes.
+static int end_bits_view(PyObject *o, Py_buffer *view, int writable) {
+    view->buf = NULL;
+    if (o == Py_None) return 0;
+    if (PyObject_GetBuffer(o, view, writable ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0) return -1;
+    if (view->len != END_BYTES) {
+        PyBuffer_Release(view);
+        view->buf = NULL;
+        PyErr_Format(PyExc_ValueError, "end bits must be %d bytes", END_BYTES);
+        return -1;
+    }
+    return 0;
+}
+
+// scan(keys, limit, end_set, end_threshold, space, known_n, known_ends, known_low[, end_bits])
 // -> (ends, sampled, low), as Shadow._scan. end_set None: no state. known_n < 0: no known.
+// end_bits (None: none): the end prefilter of end_set, every key of it marked (mark_end).
 static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 8) {
-        PyErr_SetString(PyExc_TypeError, "scan takes 8 arguments");
+    if (nargs != 8 && nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "scan takes 8 or 9 arguments");
         return NULL;
     }
+    Py_buffer view;
+    if (end_bits_view(nargs == 9 ? args[8] : Py_None, &view, 0) < 0) return NULL;
+    PyObject *result = scan_with(args, view.buf);
+    if (view.buf != NULL) PyBuffer_Release(&view);
+    return result;
+}
+
+static PyObject *scan_with(PyObject *const *args, const unsigned char *bits) {
     PyObject *keys = args[0], *limit = args[1], *end_set = args[2];
     if (check_keys(keys) < 0) return NULL;
     if (!PyBytes_CheckExact(limit)) {
@@ -162,12 +211,12 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         }
         if (n > k) {  // low + tail, ends + tail: new lists, as the Python concatenations
             low = PyList_GetSlice(klow, 0, PyList_GET_SIZE(klow));
-            if (low == NULL || append_positions(low, keys, k, n, lim, nlim, NULL) < 0)
+            if (low == NULL || append_positions(low, keys, k, n, lim, nlim, NULL, NULL) < 0)
                 goto fail;
             if (kends != Py_None) {
                 ends = PyList_GetSlice(kends, 0, PyList_GET_SIZE(kends));
                 if (ends == NULL || end_set == Py_None
-                    || append_positions(ends, keys, k, n, NULL, 0, end_set) < 0) {
+                    || append_positions(ends, keys, k, n, NULL, 0, end_set, bits) < 0) {
                     if (ends != NULL && end_set == Py_None)
                         PyErr_SetString(PyExc_ValueError, "known ends without an end set");
                     goto fail;
@@ -181,10 +230,11 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         }
     } else {
         low = PyList_New(0);
-        if (low == NULL || append_positions(low, keys, 0, n, lim, nlim, NULL) < 0) goto fail;
+        if (low == NULL || append_positions(low, keys, 0, n, lim, nlim, NULL, NULL) < 0)
+            goto fail;
         if (end_set != Py_None) {
             ends = PyList_New(0);
-            if (ends == NULL || append_positions(ends, keys, 0, n, NULL, 0, end_set) < 0)
+            if (ends == NULL || append_positions(ends, keys, 0, n, NULL, 0, end_set, bits) < 0)
                 goto fail;
         } else {
             ends = Py_NewRef(Py_None);
@@ -867,9 +917,35 @@ static PyObject *suffix_of(PyObject *self, PyObject *const *args, Py_ssize_t nar
     return PyFloat_FromDouble(out);
 }
 
+// mark_end(bits, key): set key's bit in the end prefilter (a bytearray of END_BYTES), as
+// mrc_loops.mark_end; a key under 11 bytes has none (scan always looks it up).
+static PyObject *mark_end(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "mark_end takes 2 arguments");
+        return NULL;
+    }
+    if (!PyBytes_CheckExact(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "the key must be bytes");
+        return NULL;
+    }
+    Py_buffer view;
+    if (args[0] == Py_None) {
+        PyErr_SetString(PyExc_TypeError, "end bits must be a bytearray");
+        return NULL;
+    }
+    if (end_bits_view(args[0], &view, 1) < 0) return NULL;
+    long b = end_bit(args[1]);
+    if (b >= 0) ((unsigned char *)view.buf)[b >> 3] |= (unsigned char)(1u << (b & 7));
+    PyBuffer_Release(&view);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"scan", (PyCFunction)(void (*)(void))scan, METH_FASTCALL,
-     "scan(keys, limit, end_set, end_threshold, space, known_n, known_ends, known_low)"},
+     "scan(keys, limit, end_set, end_threshold, space, known_n, known_ends, known_low"
+     "[, end_bits])"},
+    {"mark_end", (PyCFunction)(void (*)(void))mark_end, METH_FASTCALL,
+     "mark_end(bits, key): set key's bit in the end prefilter"},
     {"touch", (PyCFunction)(void (*)(void))touch, METH_FASTCALL,
      "touch(pages, values, sums, wb_page, wb_end, keys, sampled, ends, create, clock)"},
     {"reference", (PyCFunction)(void (*)(void))reference, METH_FASTCALL,

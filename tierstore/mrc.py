@@ -45,6 +45,8 @@ if TYPE_CHECKING:
 # The per-event loops compiled (scan, a match's reads, a touch without an L2 overlap); None:
 # the pure-Python loops (:mod:`tierstore.mrc_loops`), the same curves to the bit (tested).
 _C = load("tierstore._c_mrc")
+# Sets a new end's bit in the end prefilter (``_end_bits``; see ``mrc_loops.END_BITS``).
+_mark_end = _C.mark_end if _C is not None else mrc_loops.mark_end
 
 MULTIPLES = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0)
 # A page is sampled when its key sorts below the threshold's 4 bytes (``mrc_loops.SPACE``),
@@ -78,10 +80,10 @@ class Shadow:
     # Slots: past 30 attributes CPython 3.11 stops sharing an instance dict's
     # keys, and every ``self.x`` on the event path became a dict lookup (~70 ns each). A
     # ``__dict__`` stays, for what a caller adds (``bench ops`` wraps the hooks to time them).
-    __slots__ = ("__dict__", "_bits", "_c", "_c1", "_c2", "_carry", "_clock", "_d", "_end_kinds",
-                 "_end_set", "_ends", "_fl", "_hist", "_kind_hist", "_kind_refs", "_l1_reach",
-                 "_l1_total", "_l2_hit", "_l2_kind", "_lo", "_num_ends", "_old_ends", "_one",
-                 "_overlap", "_page_kinds", "_page_limit", "_pages", "_pending", "_queue",
+    __slots__ = ("__dict__", "_bits", "_c", "_c1", "_c2", "_carry", "_clock", "_d", "_end_bits",
+                 "_end_kinds", "_end_set", "_ends", "_fl", "_hist", "_kind_hist", "_kind_refs",
+                 "_l1_reach", "_l1_total", "_l2_hit", "_l2_kind", "_lo", "_num_ends", "_old_ends",
+                 "_one", "_overlap", "_page_kinds", "_page_limit", "_pages", "_pending", "_queue",
                  "_reach", "_slots", "_tree", "_w_end", "_w_page", "_wb", "_win", "capacities",
                  "edges", "end_bytes", "end_threshold", "kinds", "max_tracked", "multiples",
                  "page_bytes", "page_size", "requests", "state", "threshold", "tokens",
@@ -130,6 +132,9 @@ class Shadow:
         self._ends: dict[bytes, None] = {}  # candidate ends: keys of pages a checkpoint follows
         self._old_ends: dict[bytes, None] = {}
         self._end_set: dict[bytes, None] = {}  # both generations: one lookup per page
+        # ahead of that lookup in the compiled scan: a bit per key of the end set (most fresh
+        # keys are ruled out without being hashed); None without state (no ends)
+        self._end_bits = bytearray(mrc_loops.END_BITS // 8) if self.state else None
         self._w_page = self._w_end = 0.0
         self._wb = (0.0, 0.0)  # a slot's weighted bytes: a page's, an end's
         self._set_weights()
@@ -239,9 +244,11 @@ class Shadow:
             if last not in self._end_set:
                 self._ends[last] = None
                 self._end_set[last] = None
+                _mark_end(self._end_bits, last)  # type: ignore[arg-type]  # (state: a bytearray)
                 if len(self._ends) >= 4 * self.max_tracked:  # two generations, as the ghost
                     self._old_ends, self._ends = self._ends, {}
                     self._end_set = dict(self._old_ends)  # once per generation: amortized O(1)
+                    self._end_bits = mrc_loops.end_bits(self._old_ends, _mark_end)
                     if known is not None:  # forgotten ends may not be sampled now: as matched
                         self._flush(known)
                         known = None
@@ -262,10 +269,12 @@ class Shadow:
                         return
                 else:
                     ends, sampled, _ = c.scan(keys, limit, self._end_set, self.end_threshold,
-                                              _SPACE, known[0], known[3], known[5])
+                                              _SPACE, known[0], known[3], known[5],
+                                              self._end_bits)
             else:
                 ends, sampled, _ = c.scan(keys, limit, self._end_set if self.state else None,
-                                          self.end_threshold, _SPACE, -1, None, None)
+                                          self.end_threshold, _SPACE, -1, None, None,
+                                          self._end_bits)
             pages = self._pages
             done = c.touch(pages, self._tree.values, self._tree.sums, self._wb[0], self._wb[1],
                            keys, sampled, ends, True, self._clock)
@@ -294,9 +303,9 @@ class Shadow:
         if c is not None and type(keys) is list:
             if known is not None and known[6] == limit:
                 return c.scan(keys, limit, self._end_set, self.end_threshold, _SPACE,
-                              known[0], known[3], known[5])
+                              known[0], known[3], known[5], self._end_bits)
             return c.scan(keys, limit, self._end_set if self.state else None,
-                          self.end_threshold, _SPACE, -1, None, None)
+                          self.end_threshold, _SPACE, -1, None, None, self._end_bits)
         return mrc_loops.scan(self, keys, known)
 
     def _reference(self, keys: Sequence[bytes], n_tokens: int) -> None:
@@ -314,7 +323,8 @@ class Shadow:
         if c is not None:  # _scan's compiled path, one frame fewer
             ends, sampled, low = c.scan(keys, self._page_limit,
                                         self._end_set if self.state else None,
-                                        self.end_threshold, _SPACE, -1, None, None)
+                                        self.end_threshold, _SPACE, -1, None, None,
+                                        self._end_bits)
         else:
             ends, sampled, low = self._scan(keys)
         touched: list[int] = []

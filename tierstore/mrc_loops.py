@@ -8,7 +8,7 @@ curves to the bit (tests/tierstore/test_mrc_native.py plays both side by side).
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import compress
 from typing import Any
 
@@ -21,6 +21,29 @@ Shadow = Any
 # Sampling thresholds are on 32 bits of the page key itself (SHA-256 output, uniform): pages
 # on bytes 0-3, candidate ends on bytes 4-7.
 SPACE = 1 << 32
+
+
+# The end prefilter (``Shadow._end_bits``, read by the compiled ``scan``): one bit per value of
+# a key's bytes 8-10 (18 low bits), set for every key in the end set, so that most keys are
+# ruled out without hashing them for the set's lookup (the ends found are the same).
+END_BITS = 1 << 18
+
+
+def mark_end(bits: bytearray, key: bytes) -> None:
+    """Set ``key``'s bit in the end prefilter (``_c_mrc.mark_end``'s twin); a key under 11
+    bytes has none (the compiled scan always looks it up)."""
+    if len(key) >= 11:
+        b = int.from_bytes(key[8:11], "big") & (END_BITS - 1)
+        bits[b >> 3] |= 1 << (b & 7)
+
+
+def end_bits(keys: Iterable[bytes],
+             mark: Callable[[bytearray, bytes], None] = mark_end) -> bytearray:
+    """The end prefilter of ``keys`` (``mark``: :func:`mark_end` or its compiled twin)."""
+    bits = bytearray(END_BITS // 8)
+    for key in keys:
+        mark(bits, key)
+    return bits
 
 
 def end_sampled(key: bytes, threshold: int) -> bool:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tierstore import mrc
+from tierstore import mrc, mrc_loops
 from tierstore.mrc import Shadow
 
 PAGE = 16
@@ -117,3 +117,48 @@ def test_bad_input_is_refused() -> None:
     with pytest.raises(KeyError):  # a page below L1's window without its distance read
         _c.touch_overlap({key: 0}, [1.0] + values[1:], [1.0, 0.0], fl, d, {}, 1.0, 2.0, [key],
                          [0], None, False, 1, 1, 0.0, 100.0, [0.0, 0.0], {}, 0)
+
+
+def test_end_prefilter_marks_like_its_twin_and_keeps_every_end() -> None:
+    """The end prefilter: the compiled mark_end sets the bit the pure one does (none for a key
+    under 11 bytes), and after ends rotate every key of the end set has its bit, so the
+    compiled scan looks up every end (no false negatives)."""
+    rng = random.Random(5)
+    ours, theirs = bytearray(mrc_loops.END_BITS // 8), bytearray(mrc_loops.END_BITS // 8)
+    for n in (1, 10, 11, 16, 32):
+        for _ in range(50):
+            key = rng.randbytes(n)
+            _c.mark_end(ours, key)
+            mrc_loops.mark_end(theirs, key)
+    assert ours == theirs and any(ours)
+    assert mrc_loops.end_bits([b"short"]) == bytearray(mrc_loops.END_BITS // 8)
+    s = Shadow({"l1": 20_000}, UNITS, PAGE, max_tracked=16)  # ends rotate every 64
+    for op, keys, n in workload(400, seed=6):
+        if op == "match":
+            s._reference(list(keys), n)
+        else:
+            s._insert(list(keys), True)
+    assert s._old_ends and s._end_bits == mrc_loops.end_bits(s._end_set)
+
+
+def test_scan_with_the_end_prefilter_finds_the_same_ends() -> None:
+    """scan with the prefilter finds what it finds without; a clear bit rules a key out
+    without a lookup (a zero prefilter finds no 32-byte end; a short key is always looked
+    up); a prefilter of the wrong size is refused."""
+    rng = random.Random(7)
+    keys = [rng.randbytes(32) for _ in range(64)] + [b"short"]
+    end_set = dict.fromkeys(keys[::3] + [b"short"])
+    bits = mrc_loops.end_bits(end_set)
+    plain = _c.scan(keys, b"\x10", end_set, 2**32, 2**32, -1, None, None)
+    assert _c.scan(keys, b"\x10", end_set, 2**32, 2**32, -1, None, None, bits) == plain
+    assert _c.scan(keys, b"\x10", end_set, 2**32, 2**32, -1, None, None, None) == plain
+    zero = bytearray(mrc_loops.END_BITS // 8)
+    assert _c.scan(keys, b"\x10", end_set, 2**32, 2**32, -1, None, None, zero)[0] == [64]
+    known = _c.scan(keys[:10], b"\x10", end_set, 2**32, 2**32, -1, None, None, bits)
+    assert _c.scan(keys, b"\x10", end_set, 2**32, 2**32, 10, known[0], known[2], bits) == plain
+    with pytest.raises(ValueError):
+        _c.scan(keys, b"\x10", end_set, 2**32, 2**32, -1, None, None, bytearray(10))
+    with pytest.raises(ValueError):
+        _c.mark_end(bytearray(10), keys[0])
+    with pytest.raises(TypeError):
+        _c.mark_end(bits, "not bytes")
