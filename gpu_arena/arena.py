@@ -206,10 +206,8 @@ class Arena:
         p = self._pools.get(pool)
         if p is None:
             p = self._pool(pool)  # raises, naming the pools
-        if type(ids) is list and 0 < len(ids) <= p.small_batch:  # the store's eviction
-            _, low, high = p.unbind(ids)
-            if high == p.hi - 1 or low == p.lo:  # an end of the band freed: it may shrink
-                p.trim()
+        if type(ids) is list and len(ids) <= p.small_batch:  # the store's eviction
+            p.free_few(ids)  # (trims the band when an end was freed)
         elif isinstance(ids, list | np.ndarray):
             self._release(p, ids)
         elif isinstance(ids, torch.Tensor):
@@ -221,13 +219,11 @@ class Arena:
         n = len(ids)
         if n == 0:
             return
-        if n <= p.small_batch:
-            _, low, high = p.unbind(ids.tolist() if isinstance(ids, np.ndarray) else list(ids))
-            edge = high == p.hi - 1 or low == p.lo
-        else:
-            array = p.release_array(np.asarray(ids, dtype=np.int64))
-            edge = int(array.max()) == p.hi - 1 or int(array.min()) == p.lo
-        if edge:
+        if n <= p.small_batch:  # (trims the band when an end was freed)
+            p.free_few(ids.tolist() if isinstance(ids, np.ndarray) else list(ids))
+            return
+        array = p.release_array(np.asarray(ids, dtype=np.int64))
+        if int(array.max()) == p.hi - 1 or int(array.min()) == p.lo:
             p.trim()
 
     def resolve(

@@ -2,17 +2,18 @@
 
 Every hole of the band is in it; stale entries (slots since taken, fenced, outside the band, or
 repeated) are dropped when they surface or swept in bulk, so finding ``n`` holes costs about
-``n`` entries, not a scan of the band.
+``n`` entries, not a scan of the band. This is the pure-Python heap of
+:class:`gpu_arena.slots.SlotLoops`; the compiled loops keep theirs as a C array, with the same
+entries and the same takes (only the order of the array differs: a heap either way).
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
-
-from gpu_arena.slots import SlotLoops, first_holes, packed
 
 # Up to this many entries the heap is kept as a list that is sorted before each take: new
 # entries are appended unordered (no per-entry push), and the sort merges them into the sorted
@@ -20,38 +21,48 @@ from gpu_arena.slots import SlotLoops, first_holes, packed
 SORTED_UP_TO = 512
 
 
+def first_holes(keys: Iterable[int], sign: int, lo: int, hi: int, n: int, fenced: bool,
+                owner: Any, readers: Any, writers: Any) -> tuple[list[int], int]:
+    """The first ``n`` slots of ``keys`` (hole-heap keys ``sign * slot``, in order) that are
+    holes of ``[lo, hi)``: free in ``owner``, and unfenced when ``fenced``; repeats and stale
+    keys are skipped. Returns them and how many keys were read."""
+    found: list[int] = []
+    last, used, left = None, 0, n
+    for key in keys:
+        used += 1
+        slot = sign * key
+        if slot == last:  # a repeated entry: equal entries come one after another
+            continue
+        last = slot
+        if lo <= slot < hi and owner[slot] < 0 and not (
+                fenced and (readers[slot] > 0 or writers[slot] > 0)):
+            found.append(slot)
+            left -= 1
+            if not left:
+                break
+    return found, used
+
+
 class HoleHeap:
     """Possible holes of one pool as a min-heap of keys: the slot, or ``-slot`` for a pool
-    anchored high (its holes nearest the top come first). Validity is read from the pool's
-    tables (``owner`` < 0 and no fence) when an entry surfaces."""
+    anchored high (``sign`` -1: its holes nearest the top come first). Validity is read from
+    the pool's tables (``owner`` < 0 and no fence) when an entry surfaces."""
 
-    def __init__(self, high: bool, owner: np.ndarray, readers: np.ndarray,
-                 writers: np.ndarray, loops: SlotLoops) -> None:
+    def __init__(self, sign: int, owner: np.ndarray, readers: np.ndarray,
+                 writers: np.ndarray) -> None:
         self.entries: list[int] = []
-        self.sign = -1 if high else 1  # key = sign * slot
+        self.sign = sign  # key = sign * slot
         self._owner, self._readers, self._writers = owner, readers, writers
         # Item access as plain ints (~50 ns against ~100 ns through numpy).
         self._owner_mv, self._readers_mv, self._writers_mv = owner.data, readers.data, writers.data
-        # `entries` is a heap (appends below SORTED_UP_TO may break it). Public: the pool's hot
-        # paths run the sorted-list cases of take_bind and add_keys themselves, and set it.
-        self.ordered = True
-        self._loops = loops  # the sorted-list take's loop (compiled where built)
+        self.ordered = True  # `entries` is a heap (appends below SORTED_UP_TO may break it)
 
     def __len__(self) -> int:
         return len(self.entries)
 
-    def slots(self) -> set[int]:
-        """Every slot with an entry (stale ones too)."""
-        return {self.sign * e for e in self.entries}
-
-    def add(self, slots: Sequence[int] | np.ndarray) -> None:
+    def add(self, slots: Sequence[int]) -> None:
         """Remember ``slots`` as possible holes (validated when they surface)."""
-        keys: Sequence[int]
-        if isinstance(slots, np.ndarray):
-            keys = (slots * self.sign).tolist()
-        else:
-            keys = [-s for s in slots] if self.sign < 0 else slots
-        self.add_keys(keys)
+        self.add_keys([-s for s in slots] if self.sign < 0 else slots)
 
     def add_keys(self, keys: Sequence[int]) -> None:
         """:meth:`add` for slots already given as keys (``sign * slot``)."""
@@ -77,32 +88,21 @@ class HoleHeap:
             return [], 0
         if len(entries) <= SORTED_UP_TO:
             # A sorted list is a heap, and so is what follows a prefix of it.
+            entries.sort()
             self.ordered = True
-            return self._loops.take(entries, self.sign, lo, hi, n, fenced)
+            found, used = first_holes(entries, self.sign, lo, hi, n, fenced, self._owner_mv,
+                                      self._readers_mv, self._writers_mv)
+            del entries[:used]
+            return found, used
         if not self.ordered:
             heapq.heapify(entries)
             self.ordered = True
         return first_holes(_popping(entries), self.sign, lo, hi, n, fenced, self._owner_mv,
                            self._readers_mv, self._writers_mv)
 
-    def take_bind(self, lo: int, hi: int, n: int, fenced: bool,
-                  top: int) -> tuple[list[int] | None, int, bytearray | None]:
-        """:meth:`take` ``n`` holes and bind ids to them, popped off the free-id stack at
-        ``top`` (:meth:`SlotLoops.take_bind`); the ids (None, nothing bound, when fewer than
-        ``n`` were found), the entries read and the ids packed (None with the ids)."""
-        entries = self.entries
-        if n > 0 and entries and len(entries) <= SORTED_UP_TO:
-            self.ordered = True  # sorted by the take: a heap
-            return self._loops.take_bind(entries, self.sign, lo, hi, n, fenced, top)
-        slots, used = self.take(lo, hi, n, fenced)
-        if len(slots) < n:
-            return None, used, None
-        ids = self._loops.bind(slots, top)
-        return ids, used, packed(ids)
-
     def sweep(self, lo: int, hi: int, fenced: bool) -> int:
-        """Keep only the entries that are holes of ``[lo, hi)`` now; returns the entries read
-        (a pass over the heap, which holds every hole: not a scan of the band)."""
+        """Keep only the entries that are holes of ``[lo, hi)`` now, each once; returns the
+        entries read (a pass over the heap, which holds every hole: not a scan of the band)."""
         entries = self.entries
         read = len(entries)
         slots = _distinct(np.asarray(entries, dtype=np.int64) * self.sign)
@@ -111,7 +111,6 @@ class HoleHeap:
         if fenced:
             busy |= (self._readers[slots] > 0) | (self._writers[slots] > 0)
         slots = slots[~busy]
-        # In place: a caller holding the list must not add to one the heap no longer reads.
         entries[:] = (slots * self.sign).tolist()
         if self.sign < 0:
             entries.reverse()  # ascending keys: sorted, so a heap

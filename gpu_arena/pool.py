@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 import torch
 
-from gpu_arena.holes import SORTED_UP_TO, HoleHeap
 from gpu_arena.slots import SlotLoops, slot_loops
-from gpu_arena.spec import IntegrityError, PoolSpec
+from gpu_arena.spec import ANCHORS, IntegrityError, PoolSpec
 
 _LONG = torch.long
 
@@ -61,9 +58,13 @@ class Pool:
         self._readers_np = self.readers.numpy()
         self._writers_np = self.writers.numpy()
         self._free_np = self.free_ids.numpy()
-        # The few-id hot paths (a request's alloc and free) run their per-id loops here.
+        # Slots that may be holes, nearest the anchor first (keys: sign * slot), kept by the
+        # loops with the few-id hot paths (a request's alloc and free): finding n holes costs
+        # about n entries, not a scan of the band.
+        self._sign = -1 if self.anchor == "high" else 1
+        self._mode = ANCHORS.index(self.anchor)  # which ends trim shrinks
         self._loops: SlotLoops = slot_loops(self.loc_np, self.owner_np, self._readers_np,
-                                            self._writers_np, self._free_np,
+                                            self._writers_np, self._free_np, sign=self._sign,
                                             compiled=self.compiled)
         self.num_free_ids = max_slots
         self.num_live = 0
@@ -77,10 +78,6 @@ class Pool:
         self.changed: list[torch.Tensor] | None = None
         self.num_changed = 0
         self.fenced_refs = 0  # (slot, fence) pairs pending: 0 lets hot paths skip fence checks
-        # Slots that may be holes, nearest the anchor first: finding n holes costs about n
-        # entries, not a scan of the band.
-        self._holes = HoleHeap(self.anchor == "high", self.owner_np, self._readers_np,
-                               self._writers_np, self._loops)
 
     # ----------------------------------------------------------------- queries
     @property
@@ -130,15 +127,8 @@ class Pool:
         int64 bytes (:func:`gpu_arena.slots.packed`)."""
         assert n <= self.hi - self.lo - self.num_live - self.num_pending, \
             f"pool {self.name}: {n} holes wanted, {self.num_holes} exist"
-        holes = self._holes
-        entries = holes.entries
-        if n and entries and len(entries) <= SORTED_UP_TO:  # HoleHeap.take_bind's sorted-list
-            holes.ordered = True  # case, inlined: one compiled call (sorted by it: a heap)
-            ids, used, raw = self._loops.take_bind(entries, holes.sign, self.lo, self.hi, n,
-                                                   self.fenced_refs != 0, self.num_free_ids)
-        else:
-            ids, used, raw = holes.take_bind(self.lo, self.hi, n, self.fenced_refs != 0,
-                                             self.num_free_ids)
+        ids, used, raw = self._loops.take_bind(self.lo, self.hi, n, self.fenced_refs != 0,
+                                               self.num_free_ids)
         self.visited += used
         assert ids is not None and raw is not None, \
             f"pool {self.name}: hole heap found fewer than {n} holes"
@@ -153,20 +143,18 @@ class Pool:
         """Up to ``n`` reusable slots of ``[lo, hi)`` (inside the band) nearest the anchor,
         taken off the hole heap. Entries met on the way that are stale or outside ``[lo, hi)``
         are dropped: the caller re-cuts the band to ``[lo, hi)`` or it already is that."""
-        found, used = self._holes.take(lo, hi, n, bool(self.fenced_refs))
+        found, used = self._loops.take(lo, hi, n, self.fenced_refs != 0)
         self.visited += used
         return found
 
-    def _add_holes(self, slots: Sequence[int] | np.ndarray) -> None:
-        """Remember ``slots`` as possible holes (validated when they surface)."""
-        self._sweep_before(len(slots))
-        self._holes.add(slots)
-
-    def _sweep_before(self, adding: int) -> None:
-        """Sweep the hole heap when stale entries outnumber the holes (``adding`` about to
-        join them): amortised O(1) per stale entry."""
-        if len(self._holes.entries) > 2 * (self.num_holes + adding) + self.sweep_slack:
-            self.visited += self._holes.sweep(self.lo, self.hi, bool(self.fenced_refs))
+    def _add_holes(self, slots: list[int] | np.ndarray) -> None:
+        """Remember free ``slots`` as possible holes (validated when they surface), sweeping
+        the hole heap first when stale entries outnumber the holes (these about to join them):
+        amortised O(1) per stale entry."""
+        loops = self._loops
+        if len(loops) > 2 * (self.num_holes + len(slots)) + self.sweep_slack:
+            self.visited += loops.sweep(self.lo, self.hi, self.fenced_refs != 0)
+        loops.add(slots.tolist() if isinstance(slots, np.ndarray) else slots)
 
     def live_in(self, lo: int, hi: int) -> np.ndarray:
         """Slots of ``[lo, hi)`` holding a live block, in slot order (visits those slots)."""
@@ -232,39 +220,26 @@ class Pool:
         if self.changed is not None:
             self._log(ids)
 
-    def release(self, ids: list[int]) -> list[int]:
-        """Unbind live ``ids``; return their slots (now free, pending where fenced). Per-id
-        loops (:class:`SlotLoops`): for a few ids (:attr:`small_batch`); :meth:`release_array`
-        for many."""
-        keys = self.unbind(ids)[0]
-        return keys if self._holes.sign > 0 else [-k for k in keys]
-
-    def unbind(self, ids: list[int]) -> tuple[list[int], int, int]:
-        """:meth:`release`; returns the freed slots as hole-heap keys (``sign * slot``) and the
-        lowest and highest of them (whether the band's ends were freed, so :meth:`trim` may
-        shrink it)."""
+    def free_few(self, ids: list[int]) -> None:
+        """Unbind live ``ids`` (a few, as a list; :meth:`release_array` for many): their slots
+        are free now (pending where fenced) and join the hole heap, and when an end of the band
+        was freed the band is trimmed. Per-id loops (:class:`SlotLoops`), one call."""
         n = len(ids)
-        keys, pending, low, high = self._loops.release(ids, self.num_free_ids,
-                                                       self.fenced_refs != 0, self._holes.sign)
+        if not n:
+            return
+        pending, self.lo, self.hi, visited = self._loops.free(
+            ids, self.num_free_ids, self.fenced_refs != 0, self.lo, self.hi,
+            self.num_live + self.num_pending, self.sweep_slack, self._mode)
         self.num_free_ids += n
         self.num_live -= n
         self.num_pending += pending
+        self.visited += visited
         if self.changed is not None:
             self._log(ids)
-        holes = self._holes  # (_sweep_before and add_keys' common case, inlined: hot path)
-        entries = holes.entries
-        if len(entries) > 2 * (self.hi - self.lo - self.num_live - self.num_pending + n) \
-                + self.sweep_slack:
-            self.visited += holes.sweep(self.lo, self.hi, self.fenced_refs != 0)
-        if len(entries) + n <= SORTED_UP_TO:
-            entries.extend(keys)  # ordered by the next take's sort
-            holes.ordered = False
-        else:
-            holes.add_keys(keys)
-        return keys, low, high
 
     def release_array(self, ids: np.ndarray) -> np.ndarray:
-        """:meth:`release` through numpy, for many ids."""
+        """Unbind many live ids through numpy (:meth:`free_few` without the trim: the caller
+        trims); returns their slots."""
         n = ids.size
         slots = self.loc_np[ids]
         self.owner_np[slots] = -1
@@ -349,32 +324,9 @@ class Pool:
     def trim(self) -> None:
         """Shrink the band from its inner edge(s) past slots that are free and unfenced.
         Scans outward from each edge in growing chunks, so the usual case costs one small op."""
-        if self.anchor != "high":
-            self.hi = self._last_occupied(self.lo, self.hi) + 1
-        if self.anchor != "low":
-            self.lo = self._first_occupied(self.lo, self.hi)
-
-    def _last_occupied(self, lo: int, hi: int) -> int:
-        """Highest occupied slot in ``[lo, hi)``, or ``lo - 1``."""
-        chunk = 8
-        while hi > lo:
-            start = max(lo, hi - chunk)
-            idx = np.flatnonzero(self._occupied_np(start, hi))
-            if idx.size:
-                return start + int(idx[-1])
-            hi, chunk = start, chunk * 8
-        return lo - 1
-
-    def _first_occupied(self, lo: int, hi: int) -> int:
-        """Lowest occupied slot in ``[lo, hi)``, or ``hi``."""
-        chunk = 8
-        while lo < hi:
-            stop = min(hi, lo + chunk)
-            idx = np.flatnonzero(self._occupied_np(lo, stop))
-            if idx.size:
-                return lo + int(idx[0])
-            lo, chunk = stop, chunk * 8
-        return hi
+        self.lo, self.hi, visited = self._loops.trim(self.lo, self.hi, self.fenced_refs != 0,
+                                                     self._mode)
+        self.visited += visited
 
     def _occupied_np(self, lo: int, hi: int) -> np.ndarray:
         """:meth:`occupied` as a numpy mask (cheap for the few-slot scans of :meth:`trim`)."""
@@ -411,7 +363,7 @@ class Pool:
         everything = torch.cat([free, live_ids]).sort().values
         _require(bool(torch.equal(everything, torch.arange(self.max_slots))),
                  f"{name}: free ids + live ids are not all ids exactly once")
-        missing = set(self.holes().tolist()) - self._holes.slots()
+        missing = set(self.holes().tolist()) - {self._sign * k for k in self._loops.entries()}
         _require(not missing, f"{name}: {len(missing)} holes are not in the hole heap")
         if self.anchor == "low":
             _require(self.lo == 0, f"{name}: low band starts at slot {self.lo}")

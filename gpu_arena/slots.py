@@ -1,4 +1,5 @@
-"""The per-id loops of a pool's hot paths: taking holes, binding ids to slots, releasing them.
+"""One pool's hot paths: its hole heap, and the per-id loops of taking holes, binding ids to
+slots, freeing them and trimming the band.
 
 A request allocates and frees a few dozen blocks per pool; these loops are most of what that
 costs. :class:`SlotLoops` is the pure-Python version; ``gpu_arena._c_slots.SlotLoops`` (built
@@ -9,72 +10,60 @@ gives it (a test runs both side by side). :func:`slot_loops` picks one per pool.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable
 from types import ModuleType
-from typing import Any
 
 import numpy as np
 
+from gpu_arena.holes import HoleHeap
 from tierstore.native import load
 
 native: ModuleType | None = load("gpu_arena._c_slots")  # None: pure Python (or not built)
 
-
-def first_holes(keys: Iterable[int], sign: int, lo: int, hi: int, n: int, fenced: bool,
-                owner: Any, readers: Any, writers: Any) -> tuple[list[int], int]:
-    """The first ``n`` slots of ``keys`` (hole-heap keys ``sign * slot``, in order) that are
-    holes of ``[lo, hi)``: free in ``owner``, and unfenced when ``fenced``; repeats and stale
-    keys are skipped. Returns them and how many keys were read."""
-    found: list[int] = []
-    last, used, left = None, 0, n
-    for key in keys:
-        used += 1
-        slot = sign * key
-        if slot == last:  # a repeated entry: equal entries come one after another
-            continue
-        last = slot
-        if lo <= slot < hi and owner[slot] < 0 and not (
-                fenced and (readers[slot] > 0 or writers[slot] > 0)):
-            found.append(slot)
-            left -= 1
-            if not left:
-                break
-    return found, used
+# Trim modes: the pool's anchor (its index in spec.ANCHORS), which fixes the ends that shrink.
+LOW, FLOAT, HIGH = 0, 1, 2
 
 
 class SlotLoops:
-    """Loops over one pool's tables (``loc``, ``owner``, fence counts, the free-id stack),
-    read and written in place through memoryviews (plain ints, ~50 ns an item)."""
+    """One pool's hole heap (:class:`HoleHeap`: every hole of the band, nearest the anchor
+    first; ``len()`` counts its entries) and the loops over the pool's tables (``loc``,
+    ``owner``, fence counts, the free-id stack), read and written in place through
+    memoryviews (plain ints, ~50 ns an item)."""
 
     def __init__(self, loc: np.ndarray, owner: np.ndarray, readers: np.ndarray,
-                 writers: np.ndarray, free_ids: np.ndarray) -> None:
+                 writers: np.ndarray, free_ids: np.ndarray, sign: int = 1) -> None:
         self._loc, self._owner = loc.data, owner.data
         self._readers, self._writers, self._free = readers.data, writers.data, free_ids.data
+        self._owner_np, self._readers_np, self._writers_np = owner, readers, writers
+        self._sign = sign
+        self._holes = HoleHeap(sign, owner, readers, writers)
 
-    def take(self, entries: list[int], sign: int, lo: int, hi: int, n: int,
-             fenced: bool) -> tuple[list[int], int]:
-        """Sort ``entries`` (hole-heap keys ``sign * slot``) and take off its front the first
-        ``n`` that are holes of ``[lo, hi)`` (free, and unfenced when ``fenced``), skipping
-        repeats and stale keys; returns those slots and how many entries were read (and
-        deleted)."""
-        if n <= 0 or not entries:
-            return [], 0
-        entries.sort()
-        found, used = first_holes(entries, sign, lo, hi, n, fenced, self._owner,
-                                  self._readers, self._writers)
-        del entries[:used]
-        return found, used
+    def __len__(self) -> int:
+        return len(self._holes)
 
-    def take_bind(self, entries: list[int], sign: int, lo: int, hi: int, n: int, fenced: bool,
+    def entries(self) -> list[int]:
+        """The hole heap's entries (``sign * slot``)."""
+        return list(self._holes.entries)
+
+    def add(self, slots: list[int]) -> None:
+        """Remember free ``slots`` as possible holes (validated when they surface)."""
+        self._holes.add(slots)
+
+    def take(self, lo: int, hi: int, n: int, fenced: bool) -> tuple[list[int], int]:
+        """Take off the hole heap the first ``n`` holes of ``[lo, hi)`` (free, and unfenced
+        when ``fenced``) nearest the anchor, dropping stale and repeated entries read on the
+        way; returns those slots and how many entries were read."""
+        return self._holes.take(lo, hi, n, fenced)
+
+    def take_bind(self, lo: int, hi: int, n: int, fenced: bool,
                   top: int) -> tuple[list[int] | None, int, bytearray | None]:
         """:meth:`take` then :meth:`bind` to what it found (a steady-state alloc in one call);
         the ids (None, nothing bound, when fewer than ``n`` holes were found), the entries read,
         and the ids packed (:func:`packed`; None with the ids)."""
         if n == 0:
             return [], 0, bytearray()
-        if not entries:
+        if not self._holes.entries:
             return None, 0, None
-        slots, used = self.take(entries, sign, lo, hi, n, fenced)
+        slots, used = self._holes.take(lo, hi, n, fenced)
         if len(slots) < n:
             return None, used, None
         ids = self.bind(slots, top)
@@ -91,26 +80,77 @@ class SlotLoops:
             owner[slot] = i
         return ids
 
-    def release(self, ids: list[int], top: int, fenced: bool,
-                sign: int) -> tuple[list[int], int, int, int]:
-        """Unbind live ``ids`` and push them on the free stack at ``top`` (so the next pops
-        hand them out in this order); returns their slots as hole-heap keys (``sign * slot``),
-        how many of them a fence holds (counted only when ``fenced``), and the lowest and
-        highest slot (-1 for no ids)."""
+    def free(self, ids: list[int], top: int, fenced: bool, lo: int, hi: int, occupied: int,
+             slack: int, trim: int) -> tuple[int, int, int, int]:
+        """Unbind live ``ids`` of the band ``[lo, hi)`` (which holds ``occupied`` live or
+        pending slots) and push them on the free stack at ``top`` (the next pops hand them out
+        in this order); sweep the hole heap when its stale entries pass twice the holes (these
+        included) plus ``slack``; add their slots to it; and when an end of the band was freed,
+        :meth:`trim` it (``trim``: the anchor, -1 for none). Returns how many of the slots a
+        fence holds (counted only when ``fenced``), the band, and the slots visited."""
+        if not ids:
+            return 0, lo, hi, 0
         loc, owner = self._loc, self._owner
         slots = [loc[i] for i in ids]
         for i, slot in zip(ids, slots, strict=True):
             loc[i] = -1
             owner[slot] = -1
-        self._free[top : top + len(ids)] = array(self._free.format, reversed(ids))
+        n = len(ids)
+        self._free[top : top + n] = array(self._free.format, reversed(ids))
         pending = 0
         if fenced:
             readers, writers = self._readers, self._writers
             pending = sum(1 for s in slots if readers[s] > 0 or writers[s] > 0)
-        if not slots:
-            return slots, pending, -1, -1
-        low, high = min(slots), max(slots)
-        return (slots if sign > 0 else [-s for s in slots]), pending, low, high
+        visited = 0
+        holes = self._holes
+        if len(holes) > 2 * ((hi - lo) - (occupied - n + pending) + n) + slack:
+            visited += holes.sweep(lo, hi, fenced)
+        holes.add(slots)
+        if trim >= 0 and (max(slots) == hi - 1 or min(slots) == lo):
+            lo, hi, scanned = self.trim(lo, hi, fenced, trim)
+            visited += scanned
+        return pending, lo, hi, visited
+
+    def sweep(self, lo: int, hi: int, fenced: bool) -> int:
+        """Keep only the heap's entries that are holes of ``[lo, hi)`` now, each once; returns
+        the entries read."""
+        return self._holes.sweep(lo, hi, fenced)
+
+    def trim(self, lo: int, hi: int, fenced: bool, anchor: int) -> tuple[int, int, int]:
+        """Shrink the band from its inner edge(s) (:data:`LOW`: the top, :data:`HIGH`: the
+        bottom, :data:`FLOAT`: both) past free unfenced slots, scanning outward from each edge
+        in chunks growing 8x, so the usual case costs one small op; the band and the slots
+        visited."""
+        visited = 0
+        if anchor != HIGH:  # one past the highest occupied slot, or lo
+            top, h, chunk = lo - 1, hi, 8
+            while h > lo:
+                start = max(lo, h - chunk)
+                visited += h - start
+                idx = np.flatnonzero(self._occupied(start, h, fenced))
+                if idx.size:
+                    top = start + int(idx[-1])
+                    break
+                h, chunk = start, chunk * 8
+            hi = top + 1
+        if anchor != LOW:  # the lowest occupied slot, or hi
+            bottom, low, chunk = hi, lo, 8
+            while low < hi:
+                stop = min(hi, low + chunk)
+                visited += stop - low
+                idx = np.flatnonzero(self._occupied(low, stop, fenced))
+                if idx.size:
+                    bottom = low + int(idx[0])
+                    break
+                low, chunk = stop, chunk * 8
+            lo = bottom
+        return lo, hi, visited
+
+    def _occupied(self, lo: int, hi: int, fenced: bool) -> np.ndarray:
+        live = self._owner_np[lo:hi] >= 0
+        if fenced:
+            live |= (self._readers_np[lo:hi] > 0) | (self._writers_np[lo:hi] > 0)
+        return live
 
 
 def packed(ids: list[int]) -> bytearray:
@@ -120,14 +160,16 @@ def packed(ids: list[int]) -> bytearray:
 
 
 def slot_loops(loc: np.ndarray, owner: np.ndarray, readers: np.ndarray, writers: np.ndarray,
-               free_ids: np.ndarray, *, compiled: bool | None = None) -> SlotLoops:
-    """The loops for one pool's tables: compiled when built (``compiled=None``), or as
-    ``compiled`` asks (True raises ImportError when the module is not available)."""
+               free_ids: np.ndarray, *, sign: int = 1, compiled: bool | None = None
+               ) -> SlotLoops:
+    """The loops for one pool's tables (``sign``: -1 for a pool anchored high): compiled when
+    built (``compiled=None``), or as ``compiled`` asks (True raises ImportError when the module
+    is not available)."""
     if compiled is None:
         compiled = native is not None
     if not compiled:
-        return SlotLoops(loc, owner, readers, writers, free_ids)
+        return SlotLoops(loc, owner, readers, writers, free_ids, sign)
     if native is None:
         raise ImportError("gpu_arena._c_slots is not built (or TIERSTORE_PURE_PYTHON=1)")
-    loops: SlotLoops = native.SlotLoops(loc, owner, readers, writers, free_ids)
+    loops: SlotLoops = native.SlotLoops(loc, owner, readers, writers, free_ids, sign)
     return loops

@@ -63,7 +63,7 @@ def run_case(code: str, prelude: str = "") -> str:
 @needs_slots
 def test_slots_release_top_overflow_is_refused() -> None:
     """top + len(ids) past 2**63 wrapped and passed the bound check: the push wrote 8 bytes
-    before the free-id table."""
+    before the free-id table (release then; free, which took its place, since)."""
     run_case("""
         t = tables(8)
         loops = SlotLoops(*t)
@@ -71,12 +71,12 @@ def test_slots_release_top_overflow_is_refused() -> None:
         before = [a.copy() for a in t]
         for top in (2**63 - 1, 2**63 - 8):
             try:
-                loops.release(ids, top, False, 1)
+                loops.free(ids, top, False, 0, 8, 1, 0, -1)
             except ValueError:
                 pass
             else:
-                raise SystemExit(f"release at top={top} was accepted")
-        assert all((a == b).all() for a, b in zip(t, before)), "a refused release changed a table"
+                raise SystemExit(f"free at top={top} was accepted")
+        assert all((a == b).all() for a, b in zip(t, before)), "a refused free changed a table"
     """, SLOTS_PRELUDE)
 
 
@@ -105,26 +105,56 @@ def test_slots_init_from_a_callback_is_refused() -> None:
 
 
 @needs_slots
-def test_slots_take_bind_rechecks_free_ids_after_callbacks() -> None:
-    """take_bind checked the free ids before sorting and reading entries (which may run an
-    entry's __index__); an id changed there was then used as an index into loc."""
+def test_slots_take_bind_checks_free_ids_after_callbacks() -> None:
+    """take_bind once checked the free ids before reading entries that could run Python code
+    (the hole heap was a list then); its arguments' __index__ still runs: an id changed there
+    must be refused, not used as an index into loc."""
     run_case("""
         t = tables(8)
         loops = SlotLoops(*t)
+        loops.add([3])
         loc, owner, free_ids = t[0], t[1], t[4]
 
         class Evil:
             def __index__(self):
                 free_ids[7] = 10**12
-                return 3
+                return 8
 
         try:
-            loops.take_bind([Evil()], 1, 0, 8, 1, False, 8)
+            loops.take_bind(0, 8, 1, False, Evil())
         except ValueError:
             pass
         else:
             raise SystemExit("take_bind bound a free id outside the table")
         assert (loc == -1).all() and (owner == -1).all(), "a refused take_bind bound an id"
+        assert loops.entries() == [3], "a refused take_bind took a hole"
+    """, SLOTS_PRELUDE)
+
+
+@needs_slots
+def test_slots_free_checks_ids_after_callbacks() -> None:
+    """free reads every id (an id's __index__ may run Python code that changes the tables)
+    before it checks any: an id made not live by a callback is refused, nothing changed."""
+    run_case("""
+        t = tables(8)
+        loops = SlotLoops(*t)
+        ids = loops.bind([2, 5], 8)
+        loc = t[0]
+
+        class Evil:
+            def __index__(self):
+                loc[ids[1]] = 10**12
+                return ids[0]
+
+        before = [a.copy() for a in t]
+        try:
+            loops.free([Evil(), ids[1]], 6, False, 0, 8, 2, 0, 0)
+        except ValueError:
+            pass
+        else:
+            raise SystemExit("free unbound an id whose slot was outside the table")
+        assert all((a == b).all() for a, b in zip(t[1:], before[1:])), "a refused free changed"
+        assert len(loops) == 0, "a refused free added holes"
     """, SLOTS_PRELUDE)
 
 

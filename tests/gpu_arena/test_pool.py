@@ -32,7 +32,7 @@ def _random_step(pool: Pool, rng: random.Random) -> None:
     elif op == "bind" and len(free) >= n:  # the list paths (alloc_ids, free_owned)
         pool.bind(rng.sample(free, n))
     elif op == "unbind" and len(live) >= n:
-        pool.release([int(pool.owner[s]) for s in rng.sample(live, n)])
+        pool.free_few([int(pool.owner[s]) for s in rng.sample(live, n)])
     elif op == "move" and live and free:
         n = min(n, len(live), len(free))
         pool.relink(torch.tensor(rng.sample(live, n)), torch.tensor(rng.sample(free, n)))

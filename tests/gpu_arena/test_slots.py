@@ -1,7 +1,9 @@
 """The compiled slot loops (``gpu_arena._c_slots``) against the pure-Python ones
 (``gpu_arena.slots.SlotLoops``): the same random call sequences through an arena built on each,
 side by side in one process, give the same return values, tables, hole heaps and stats after
-every call; and the compiled loops refuse bad input without changing anything."""
+every call; and the compiled loops refuse bad input without changing anything. The hole heap
+lives in the loops (a C array compiled, a list pure): its entries are compared as sorted lists,
+the only order either hands out."""
 
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ def _state(arena: Arena) -> tuple[object, ...]:
     pools = []
     for p in arena._pools.values():
         pools.append((p.loc.tolist(), p.owner.tolist(), p.free_ids[: p.num_free_ids].tolist(),
-                      list(p._holes.entries), p._holes.ordered, p.lo, p.hi, p.num_live,
+                      sorted(p._loops.entries()), len(p._loops), p.lo, p.hi, p.num_live,
                       p.num_pending, p.num_free_ids, p.allocated, p.moves, p.visited))
     return tuple(pools), arena.stats()
 
@@ -162,49 +164,72 @@ def _tables(n: int, rng: random.Random) -> list[np.ndarray]:
     return [loc, owner, readers, writers, free]
 
 
+def _same(c: Any, p: Any, c_tables: list[np.ndarray], p_tables: list[np.ndarray],
+          what: str) -> None:
+    """The two loops hold the same heap entries and tables."""
+    assert sorted(c.entries()) == sorted(p.entries()) and len(c) == len(p), f"{what}: heaps differ"
+    for ct, pt in zip(c_tables, p_tables, strict=True):
+        assert np.array_equal(ct, pt), f"{what}: tables differ"
+
+
 @needs_native
 @pytest.mark.parametrize("seed", range(20))
 def test_each_loop_agrees_on_random_tables(seed: int) -> None:
-    """take, take_bind, bind and release on random tables (fenced slots, stale and repeated
-    heap keys, empty and out-of-band ranges): same results, same tables afterwards."""
+    """add, take, take_bind, bind, free (with its sweep and trim), sweep and trim on random
+    tables (fenced slots, stale and repeated heap entries, empty and out-of-band ranges), one
+    sequence through both loops: same results, same heap entries, same tables after each."""
     rng = random.Random(seed)
-    n = rng.choice([8, 64, 300])
-    base = _tables(n, rng)
-    for _ in range(30):
-        c_tables = [t.copy() for t in base]
-        p_tables = [t.copy() for t in base]
-        c, p = slot_loops(*c_tables, compiled=True), slot_loops(*p_tables, compiled=False)
-        sign = rng.choice([1, -1])
-        entries = [sign * rng.randrange(n) for _ in range(rng.randint(0, 3 * n))]
+    n = rng.choice([8, 64, 300, 1200])  # (past 512 entries the pure heap leaves its list case)
+    c_tables = _tables(n, rng)
+    p_tables = [t.copy() for t in c_tables]
+    sign = rng.choice([1, -1])
+    c = slot_loops(*c_tables, sign=sign, compiled=True)
+    p = slot_loops(*p_tables, sign=sign, compiled=False)
+    for step in range(60):
+        loc = c_tables[0]
         lo = rng.randint(0, n)
         hi = rng.randint(lo - 2, n)  # an empty (or inverted) band finds nothing
-        want = rng.randint(0, n)
         fenced = rng.random() < 0.7
-        top = int(np.count_nonzero(base[0] < 0))
-        which = rng.choice(["take", "take_bind", "bind", "release"])
-        if which == "take":
-            ce, pe = list(entries), list(entries)
-            assert c.take(ce, sign, lo, hi, want, fenced) == p.take(pe, sign, lo, hi, want,
-                                                                   fenced)
-            assert ce == pe
+        top = int(np.count_nonzero(loc < 0))
+        which = rng.choice(["add", "take", "take_bind", "bind", "free", "sweep", "trim"])
+        what = f"seed {seed} step {step} {which}"
+        if which == "add":  # any slots, repeats and live ones too: stale entries
+            slots = [rng.randrange(n) for _ in range(rng.randint(0, 2 * n))]
+            c.add(list(slots))
+            p.add(list(slots))
+        elif which == "take":
+            want = rng.randint(0, n)
+            assert c.take(lo, hi, want, fenced) == p.take(lo, hi, want, fenced), what
         elif which == "take_bind":
-            want = min(want, top)
-            ce, pe = list(entries), list(entries)
-            got = c.take_bind(ce, sign, lo, hi, want, fenced, top)
-            assert got == p.take_bind(pe, sign, lo, hi, want, fenced, top)
-            assert ce == pe
+            want = rng.randint(0, min(n, top))
+            got = c.take_bind(lo, hi, want, fenced, top)
+            assert got == p.take_bind(lo, hi, want, fenced, top), what
             ids, _, packed = got
             assert (packed is None) if ids is None else packed == bytearray(array("q", ids))
         elif which == "bind":
-            free_slots = np.flatnonzero(base[1] < 0).tolist()
-            slots = rng.sample(free_slots, rng.randint(0, len(free_slots)))
-            assert c.bind(slots, top) == p.bind(slots, top)
+            free_slots = np.flatnonzero(c_tables[1] < 0).tolist()
+            slots = rng.sample(free_slots, rng.randint(0, min(len(free_slots), top)))
+            assert c.bind(list(slots), top) == p.bind(list(slots), top), what
+        elif which == "free":
+            live = np.flatnonzero(loc >= 0)
+            if not live.size:
+                continue
+            live_slots = loc[live]
+            lo, hi = int(live_slots.min()) - rng.randint(0, 3), int(live_slots.max()) + 1
+            lo, hi = max(lo, 0), min(hi + rng.randint(0, 3), n)
+            ids = rng.sample(live.tolist(), rng.randint(0, live.size))
+            occupied = int(live.size) + rng.randint(0, 2)
+            occupied = min(occupied, hi - lo)
+            slack, mode = rng.randint(0, 8), rng.choice([-1, 0, 1, 2])
+            args = (ids, top, fenced, lo, hi, occupied, slack, mode)
+            assert c.free(*args) == p.free(*args), what
+        elif which == "sweep":
+            assert c.sweep(lo, hi, fenced) == p.sweep(lo, hi, fenced), what
         else:
-            live_ids = np.flatnonzero(base[0] >= 0).tolist()
-            ids = rng.sample(live_ids, rng.randint(0, len(live_ids)))
-            assert c.release(ids, top, fenced, sign) == p.release(ids, top, fenced, sign)
-        for ct, pt in zip(c_tables, p_tables, strict=True):
-            assert np.array_equal(ct, pt), f"{which}: tables differ"
+            lo, hi = min(lo, max(hi, lo)), max(hi, lo)
+            mode = rng.choice([0, 1, 2])
+            assert c.trim(lo, hi, fenced, mode) == p.trim(lo, hi, fenced, mode), what
+        _same(c, p, c_tables, p_tables, what)
 
 
 @needs_native
@@ -212,38 +237,68 @@ def test_compiled_loops_refuse_bad_input_and_change_nothing() -> None:
     rng = random.Random(1)
     tables = _tables(16, rng)
     loops = slot_loops(*tables, compiled=True)
+    loops.add([3, 5, 5, 9])
     before = [t.copy() for t in tables]
+    keys = sorted(loops.entries())
     live = int(np.flatnonzero(tables[0] >= 0)[0])
     dead = int(np.flatnonzero(tables[0] < 0)[0])
     top = int(np.count_nonzero(tables[0] < 0))
+    n_live = int(np.count_nonzero(tables[0] >= 0))
     with pytest.raises(ValueError, match="not live"):
-        loops.release([live, dead], top, False, 1)
+        loops.free([live, dead], top, False, 0, 16, n_live, 0, 0)
     with pytest.raises(ValueError, match="outside"):
-        loops.release([16], top, False, 1)
+        loops.free([16], top, False, 0, 16, n_live, 0, 0)
     with pytest.raises(ValueError, match="free stack"):
-        loops.release([live], 16, False, 1)
+        loops.free([live], 16, False, 0, 16, n_live, 0, 0)
+    with pytest.raises(ValueError, match="band"):
+        loops.free([live], top, False, 4, 2, n_live, 0, 0)
+    with pytest.raises(ValueError, match="band"):
+        loops.free([live], top, False, 0, 17, n_live, 0, 0)
+    with pytest.raises(ValueError, match="occupied"):
+        loops.free([live], top, False, 0, 16, 0, 0, 0)
+    with pytest.raises(ValueError, match="slack"):
+        loops.free([live], top, False, 0, 16, n_live, -1, 0)
+    with pytest.raises(ValueError, match="trim"):
+        loops.free([live], top, False, 0, 16, n_live, 0, 3)
+    with pytest.raises(TypeError, match="list"):
+        loops.free((live,), top, False, 0, 16, n_live, 0, 0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="outside"):
         loops.bind([-1], top)
     with pytest.raises(ValueError, match="free stack"):
         loops.bind([0, 1], 1)
-    with pytest.raises(ValueError, match="sign"):
-        loops.take([1], 2, 0, 16, 1, False)
     with pytest.raises(ValueError, match="band"):
-        loops.take([1], 1, 0, 17, 1, False)
-    with pytest.raises(TypeError, match="list"):
-        loops.take((1,), 1, 0, 16, 1, False)  # type: ignore[arg-type]
+        loops.take(0, 17, 1, False)
+    with pytest.raises(ValueError, match="band"):
+        loops.take_bind(-1, 4, 1, False, top)
+    with pytest.raises(ValueError, match="free stack"):
+        loops.take_bind(0, 16, 2, False, 1)
+    with pytest.raises(ValueError, match="anchor"):
+        loops.trim(0, 16, False, 3)
+    with pytest.raises(ValueError, match="band"):
+        loops.trim(0, 17, False, 0)
+    with pytest.raises(ValueError, match="band"):
+        loops.sweep(-1, 4, False)
+    with pytest.raises(ValueError, match="outside"):
+        loops.add([2, 16])
+    with pytest.raises(TypeError):
+        loops.add([2, "x"])  # type: ignore[list-item]
     with pytest.raises(TypeError):
         loops.bind(["x"], top)  # type: ignore[list-item]
     with pytest.raises(TypeError):
-        loops.take_bind([1], 1, 0, 16, 1, False)  # type: ignore[call-arg]
+        loops.take_bind(0, 16, 1, False)  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        loops.take(0, 16, "1", False)  # type: ignore[arg-type]
     for t, b in zip(tables, before, strict=True):
         assert np.array_equal(t, b)
+    assert sorted(loops.entries()) == keys, "a refused call changed the hole heap"
     with pytest.raises(TypeError, match="int64"):
         native.SlotLoops(tables[2], *tables[1:])  # type: ignore[union-attr]
     with pytest.raises(ValueError, match="entries"):
         native.SlotLoops(tables[0][:8], *tables[1:])  # type: ignore[union-attr]
     with pytest.raises(TypeError):
         native.SlotLoops(tables[0].astype(np.float64), *tables[1:])  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="sign"):
+        native.SlotLoops(*tables, 2)  # type: ignore[union-attr]
     with pytest.raises(ValueError):  # read-only: the loops write the tables
         ro = tables[0].copy()
         ro.flags.writeable = False
