@@ -271,6 +271,27 @@ static PyObject *int_list(const int64_t *values, Py_ssize_t n) {
     return list;
 }
 
+/* A tuple of n new references it steals (NULL, dropping them all, when one is NULL or the
+ * tuple cannot be made): Py_BuildValue without parsing a format on the hot paths. */
+static PyObject *tuple_of(Py_ssize_t n, PyObject **items) {
+    PyObject *out = NULL;
+    int ok = 1;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        ok = ok && items[k] != NULL;
+    }
+    if (ok) {
+        out = PyTuple_New(n);
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (out != NULL) {
+            PyTuple_SET_ITEM(out, k, items[k]);
+        } else {
+            Py_XDECREF(items[k]);
+        }
+    }
+    return out;
+}
+
 /* Scratch for up to n int64s: the stack buffer when it is big enough. */
 static int64_t *scratch(int64_t *small, Py_ssize_t small_n, Py_ssize_t n) {
     if (n <= small_n) {
@@ -514,7 +535,8 @@ static PyObject *slotloops_take_bind(PyObject *op, PyObject *const *args, Py_ssi
             self->loc[raw[j]] = found[j];
             self->owner[found[j]] = raw[j];
         }
-        out = Py_BuildValue("(NnN)", ids, used, packed);
+        PyObject *items[3] = {ids, PyLong_FromSsize_t(used), packed};
+        out = tuple_of(3, items);
     }
     if (found != small) {
         PyMem_Free(found);
@@ -661,7 +683,9 @@ static PyObject *slotloops_free(PyObject *op, PyObject *const *args, Py_ssize_t 
             trim_core(self, &lo, &hi, fenced, mode, &visited);
         }
     }
-    out = Py_BuildValue("(nLLn)", pending, (long long)lo, (long long)hi, visited);
+    PyObject *items[4] = {PyLong_FromSsize_t(pending), PyLong_FromLongLong(lo),
+                          PyLong_FromLongLong(hi), PyLong_FromSsize_t(visited)};
+    out = tuple_of(4, items);
 done:
     if (buf != small) {
         PyMem_Free(buf);

@@ -124,9 +124,8 @@ class Pool:
     def alloc_holes(self, n: int) -> tuple[list[int], bytearray]:
         """:meth:`bind` fresh ids to :meth:`take_holes` ``(n)`` in one pass (the steady-state
         alloc: reuse what eviction freed); returns the ids, as a list and packed as native
-        int64 bytes (:func:`gpu_arena.slots.packed`)."""
-        assert n <= self.hi - self.lo - self.num_live - self.num_pending, \
-            f"pool {self.name}: {n} holes wanted, {self.num_holes} exist"
+        int64 bytes (:func:`gpu_arena.slots.packed`). The caller has checked that ``n`` is at
+        most :attr:`num_holes` (:meth:`Arena.alloc_packed` does, as its steady-state test)."""
         ids, used, raw = self._loops.take_bind(self.lo, self.hi, n, self.fenced_refs != 0,
                                                self.num_free_ids)
         self.visited += used
