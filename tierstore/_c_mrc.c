@@ -917,8 +917,9 @@ static PyObject *suffix_of(PyObject *self, PyObject *const *args, Py_ssize_t nar
     return PyFloat_FromDouble(out);
 }
 
-// mark_end(bits, key): set key's bit in the end prefilter (a bytearray of END_BYTES), as
-// mrc_loops.mark_end; a key under 11 bytes has none (scan always looks it up).
+// mark_end(bits, key) -> whether the key may already be in the end set: its bit in the end
+// prefilter (a bytearray of END_BYTES) was set before, which it is now (or the key is under 11
+// bytes: it has none, and scan always looks it up). As mrc_loops.mark_end.
 static PyObject *mark_end(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "mark_end takes 2 arguments");
@@ -935,9 +936,14 @@ static PyObject *mark_end(PyObject *self, PyObject *const *args, Py_ssize_t narg
     }
     if (end_bits_view(args[0], &view, 1) < 0) return NULL;
     long b = end_bit(args[1]);
-    if (b >= 0) ((unsigned char *)view.buf)[b >> 3] |= (unsigned char)(1u << (b & 7));
+    int was = 1;
+    if (b >= 0) {
+        unsigned char *byte = (unsigned char *)view.buf + (b >> 3);
+        was = (*byte >> (b & 7)) & 1;
+        *byte |= (unsigned char)(1u << (b & 7));
+    }
     PyBuffer_Release(&view);
-    Py_RETURN_NONE;
+    return PyBool_FromLong(was);
 }
 
 static PyMethodDef methods[] = {
@@ -945,7 +951,7 @@ static PyMethodDef methods[] = {
      "scan(keys, limit, end_set, end_threshold, space, known_n, known_ends, known_low"
      "[, end_bits])"},
     {"mark_end", (PyCFunction)(void (*)(void))mark_end, METH_FASTCALL,
-     "mark_end(bits, key): set key's bit in the end prefilter"},
+     "mark_end(bits, key): set key's bit in the end prefilter; whether it was set"},
     {"touch", (PyCFunction)(void (*)(void))touch, METH_FASTCALL,
      "touch(pages, values, sums, wb_page, wb_end, keys, sampled, ends, create, clock)"},
     {"reference", (PyCFunction)(void (*)(void))reference, METH_FASTCALL,

@@ -30,6 +30,7 @@ missed it (``bench ops``, qwen3-next at 2k pages: the shadow's ~44 us a request 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from itertools import islice
 from typing import TYPE_CHECKING, Any
 
 from tierstore import mrc_curves, mrc_loops, mrc_stack
@@ -81,10 +82,10 @@ class Shadow:
     # keys, and every ``self.x`` on the event path became a dict lookup (~70 ns each). A
     # ``__dict__`` stays, for what a caller adds (``bench ops`` wraps the hooks to time them).
     __slots__ = ("__dict__", "_bits", "_c", "_c1", "_c2", "_carry", "_clock", "_d", "_end_bits",
-                 "_end_kinds", "_end_set", "_ends", "_fl", "_hist", "_kind_hist", "_kind_refs",
-                 "_l1_reach", "_l1_total", "_l2_hit", "_l2_kind", "_lo", "_num_ends", "_old_ends",
-                 "_one", "_overlap", "_page_kinds", "_page_limit", "_pages", "_pending", "_queue",
-                 "_reach", "_slots", "_tree", "_w_end", "_w_page", "_wb", "_win", "capacities",
+                 "_end_kinds", "_end_set", "_fl", "_hist", "_kind_hist", "_kind_refs", "_l1_reach",
+                 "_l1_total", "_l2_hit", "_l2_kind", "_lo", "_num_ends", "_one", "_overlap",
+                 "_page_kinds", "_page_limit", "_pages", "_pending", "_queue", "_reach", "_rotated",
+                 "_slots", "_tree", "_w_end", "_w_page", "_wb", "_win", "_young", "capacities",
                  "edges", "end_bytes", "end_threshold", "kinds", "max_tracked", "multiples",
                  "page_bytes", "page_size", "requests", "state", "threshold", "tokens",
                  "unbounded_below", "write_through")
@@ -129,9 +130,12 @@ class Shadow:
         self._slots = 4 * max_tracked + 64
         self._tree = _Slots([0.0] * self._slots)
         self._clock = 0
-        self._ends: dict[bytes, None] = {}  # candidate ends: keys of pages a checkpoint follows
-        self._old_ends: dict[bytes, None] = {}
-        self._end_set: dict[bytes, None] = {}  # both generations: one lookup per page
+        # Candidate ends (keys of pages a checkpoint follows), two generations as the ghost's:
+        # the last ``_young`` keys in (a dict keeps its order) are the young one. One dict:
+        # one lookup per page, one insert per new end.
+        self._end_set: dict[bytes, None] = {}
+        self._young = 0
+        self._rotated = False  # whether ends were ever forgotten (see _insert)
         # ahead of that lookup in the compiled scan: a bit per key of the end set (most fresh
         # keys are ruled out without being hashed); None without state (no ends)
         self._end_bits = bytearray(mrc_loops.END_BITS // 8) if self.state else None
@@ -241,14 +245,17 @@ class Shadow:
             self._flush(pending)
         if checkpoint and self.state:
             last = keys[-1]
-            if last not in self._end_set:
-                self._ends[last] = None
-                self._end_set[last] = None
-                _mark_end(self._end_bits, last)  # type: ignore[arg-type]  # (state: a bytearray)
-                if len(self._ends) >= 4 * self.max_tracked:  # two generations, as the ghost
-                    self._old_ends, self._ends = self._ends, {}
-                    self._end_set = dict(self._old_ends)  # once per generation: amortized O(1)
-                    self._end_bits = mrc_loops.end_bits(self._old_ends, _mark_end)
+            end_set = self._end_set
+            marked = _mark_end(self._end_bits, last)  # type: ignore[arg-type]  # (a bytearray)
+            if not marked or last not in end_set:  # (its bit was clear: new, with no lookup)
+                end_set[last] = None
+                self._young += 1
+                if self._young >= 4 * self.max_tracked:  # the older generation is forgotten
+                    self._end_set = dict.fromkeys(  # (once per generation: amortized O(1))
+                        islice(end_set, len(end_set) - self._young, None))
+                    self._young = 0
+                    self._rotated = True
+                    self._end_bits = mrc_loops.end_bits(self._end_set, _mark_end)
                     if known is not None:  # forgotten ends may not be sampled now: as matched
                         self._flush(known)
                         known = None
@@ -256,9 +263,13 @@ class Shadow:
                     ends = known[3]
                     assert ends is not None
                     ends.append(n - 1)
-                code = self._pages.pop(last, None)
-                if code is not None:  # a tracked page becomes an end: tracked anew below
-                    mrc_stack.untrack(self, code, last)
+                # A page tracked as such sorts below the page limit (a lower rate drops the
+                # others), and one tracked as an end is in the end set until ends are first
+                # forgotten: otherwise it is not tracked, and the lookup is skipped.
+                if last < self._page_limit or self._rotated:
+                    code = self._pages.pop(last, None)
+                    if code is not None:  # a tracked page becomes an end: tracked anew below
+                        mrc_stack.untrack(self, code, last)
         c = self._c
         if c is not None and not self._overlap and type(keys) is list:  # _scan and _touch's
             limit = self._page_limit  # compiled paths, one frame fewer each

@@ -29,16 +29,20 @@ SPACE = 1 << 32
 END_BITS = 1 << 18
 
 
-def mark_end(bits: bytearray, key: bytes) -> None:
-    """Set ``key``'s bit in the end prefilter (``_c_mrc.mark_end``'s twin); a key under 11
-    bytes has none (the compiled scan always looks it up)."""
-    if len(key) >= 11:
-        b = int.from_bytes(key[8:11], "big") & (END_BITS - 1)
-        bits[b >> 3] |= 1 << (b & 7)
+def mark_end(bits: bytearray, key: bytes) -> bool:
+    """Set ``key``'s bit in the end prefilter (``_c_mrc.mark_end``'s twin), and say whether
+    the key may already be in the end set: its bit was set before (a key under 11 bytes has
+    none: True, the compiled scan always looks it up)."""
+    if len(key) < 11:
+        return True
+    b = int.from_bytes(key[8:11], "big") & (END_BITS - 1)
+    was = bits[b >> 3] >> (b & 7) & 1
+    bits[b >> 3] |= 1 << (b & 7)
+    return bool(was)
 
 
 def end_bits(keys: Iterable[bytes],
-             mark: Callable[[bytearray, bytes], None] = mark_end) -> bytearray:
+             mark: Callable[[bytearray, bytes], bool] = mark_end) -> bytearray:
     """The end prefilter of ``keys`` (``mark``: :func:`mark_end` or its compiled twin)."""
     bits = bytearray(END_BITS // 8)
     for key in keys:

@@ -128,8 +128,8 @@ def test_end_prefilter_marks_like_its_twin_and_keeps_every_end() -> None:
     for n in (1, 10, 11, 16, 32):
         for _ in range(50):
             key = rng.randbytes(n)
-            _c.mark_end(ours, key)
-            mrc_loops.mark_end(theirs, key)
+            assert _c.mark_end(ours, key) is mrc_loops.mark_end(theirs, key)
+            assert _c.mark_end(ours, key) is True  # (set now, or no bit at all)
     assert ours == theirs and any(ours)
     assert mrc_loops.end_bits([b"short"]) == bytearray(mrc_loops.END_BITS // 8)
     s = Shadow({"l1": 20_000}, UNITS, PAGE, max_tracked=16)  # ends rotate every 64
@@ -138,7 +138,7 @@ def test_end_prefilter_marks_like_its_twin_and_keeps_every_end() -> None:
             s._reference(list(keys), n)
         else:
             s._insert(list(keys), True)
-    assert s._old_ends and s._end_bits == mrc_loops.end_bits(s._end_set)
+    assert s._rotated and s._end_bits == mrc_loops.end_bits(s._end_set)
 
 
 def test_scan_with_the_end_prefilter_finds_the_same_ends() -> None:
@@ -162,3 +162,29 @@ def test_scan_with_the_end_prefilter_finds_the_same_ends() -> None:
         _c.mark_end(bytearray(10), keys[0])
     with pytest.raises(TypeError):
         _c.mark_end(bits, "not bytes")
+
+
+@pytest.mark.parametrize("pure", [False, True])
+def test_end_generations_and_the_tracked_pages_invariant(pure: bool) -> None:
+    """The end set keeps two generations in one dict (the last keys in are the young one):
+    after every insert it holds what two dicts aged as before would. And the invariant that
+    lets a new end skip the page lookup: a page tracked as such sorts below the page limit,
+    and until ends are first forgotten every tracked end is in the end set."""
+    s = Shadow({"l1": 20_000}, UNITS, PAGE, max_tracked=16)  # rates halve, ends rotate
+    s._c = None if pure else _c
+    young: dict[bytes, None] = {}
+    old: dict[bytes, None] = {}
+    for op, keys, n in workload(600, seed=8):
+        if op == "match":
+            s._reference(list(keys), n)
+            continue
+        s._insert(list(keys), True)
+        if keys[-1] not in young and keys[-1] not in old:
+            young[keys[-1]] = None
+            if len(young) >= 4 * 16:
+                old, young = young, {}
+        assert set(s._end_set) == set(old) | set(young)
+        for key, code in s._pages.items():
+            assert code & 1 or key < s._page_limit
+            assert not code & 1 or s._rotated or key in s._end_set
+    assert s._rotated and s.threshold < mrc.DEFAULT_RATE * mrc_loops.SPACE
