@@ -9,6 +9,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -118,6 +119,7 @@ typedef struct {
     int32_t *readers, *writers;
     int64_t sign; /* hole key = sign * slot: -1 for a pool anchored high */
     Heap holes;   /* every hole of the band, and stale entries (validated when they surface) */
+    Py_ssize_t visited; /* heap entries and band slots read so far (a cost stat for tests) */
 } SlotLoops;
 
 /* Whether a buffer holds native-order integers of itemsize bytes ('@' or '=' prefix or none:
@@ -197,6 +199,7 @@ static int slotloops_init(PyObject *op, PyObject *args, PyObject *kwds) {
     }
     slotloops_release_views(self);
     self->holes.len = 0; /* new tables: no holes known */
+    self->visited = 0;
     Py_ssize_t n = -1;
     for (int t = 0; t < NTABLES; t++) {
         Py_buffer *v = &self->views[t];
@@ -445,7 +448,7 @@ static int band_args(SlotLoops *self, PyObject *lo_o, PyObject *hi_o, PyObject *
     return 0;
 }
 
-/* take(lo, hi, n, fenced) -> (slots, used) */
+/* take(lo, hi, n, fenced) -> slots */
 static PyObject *slotloops_take(PyObject *op, PyObject *const *args, Py_ssize_t nargs) {
     SlotLoops *self = (SlotLoops *)op;
     int64_t lo, hi, n;
@@ -457,7 +460,7 @@ static PyObject *slotloops_take(PyObject *op, PyObject *const *args, Py_ssize_t 
     }
     Py_ssize_t size = self->holes.len;
     if (n <= 0 || size == 0) {
-        return Py_BuildValue("(Ni)", PyList_New(0), 0);
+        return PyList_New(0);
     }
     Py_ssize_t want = n < size ? (Py_ssize_t)n : size, used;
     int64_t small[SMALL];
@@ -466,16 +469,17 @@ static PyObject *slotloops_take(PyObject *op, PyObject *const *args, Py_ssize_t 
         return NULL;
     }
     Py_ssize_t k = take_core(self, lo, hi, want, fenced, found, &used);
-    PyObject *out = Py_BuildValue("(Nn)", int_list(found, k), used);
+    self->visited += used;
+    PyObject *out = int_list(found, k);
     if (found != small) {
         PyMem_Free(found);
     }
     return out;
 }
 
-/* take_bind(lo, hi, n, fenced, top) -> (ids or None, used, packed): packed is the ids as
- * native int64 bytes (a bytearray: torch.frombuffer makes the caller's tensor from it without
- * converting the ints again), None with ids */
+/* take_bind(lo, hi, n, fenced, top) -> (ids, packed) or None: packed is the ids as native
+ * int64 bytes (a bytearray: torch.frombuffer makes the caller's tensor from it without
+ * converting the ints again); None (nothing bound) when fewer than n holes were found */
 static PyObject *slotloops_take_bind(PyObject *op, PyObject *const *args, Py_ssize_t nargs) {
     SlotLoops *self = (SlotLoops *)op;
     int64_t lo, hi, n, top;
@@ -499,7 +503,7 @@ static PyObject *slotloops_take_bind(PyObject *op, PyObject *const *args, Py_ssi
         }
     }
     if (n > 0 && self->holes.len == 0) {
-        return Py_BuildValue("(OiO)", Py_None, 0, Py_None);
+        Py_RETURN_NONE;
     }
     /* The results first (they may fail with MemoryError): then nothing fails once the heap
      * changes. */
@@ -512,31 +516,27 @@ static PyObject *slotloops_take_bind(PyObject *op, PyObject *const *args, Py_ssi
     for (Py_ssize_t j = 0; j < count; j++) {
         raw[j] = self->free_ids[top - 1 - j];
     }
-    PyObject *ids = int_list(raw, count);
-    if (ids == NULL) {
-        Py_DECREF(packed);
-        return NULL;
-    }
-    int64_t small[SMALL];
-    int64_t *found = scratch(small, SMALL, count);
-    if (found == NULL) {
+    PyObject *ids = int_list(raw, count), *out = NULL;
+    if (ids != NULL) {
+        out = PyTuple_Pack(2, ids, packed); /* (holds packed: raw stays valid) */
         Py_DECREF(ids);
-        Py_DECREF(packed);
+    }
+    Py_DECREF(packed);
+    int64_t small[SMALL];
+    int64_t *found = out == NULL ? NULL : scratch(small, SMALL, count);
+    if (found == NULL) {
+        Py_XDECREF(out);
         return NULL;
     }
     Py_ssize_t used, k = take_core(self, lo, hi, count, fenced, found, &used);
-    PyObject *out;
+    self->visited += used;
     if (k < count) { /* (what was popped stays dropped: the caller asked for holes it lacks) */
-        Py_DECREF(ids);
-        Py_DECREF(packed);
-        out = Py_BuildValue("(OnO)", Py_None, used, Py_None);
+        Py_SETREF(out, Py_NewRef(Py_None));
     } else {
         for (Py_ssize_t j = 0; j < count; j++) {
             self->loc[raw[j]] = found[j];
             self->owner[found[j]] = raw[j];
         }
-        PyObject *items[3] = {ids, PyLong_FromSsize_t(used), packed};
-        out = tuple_of(3, items);
     }
     if (found != small) {
         PyMem_Free(found);
@@ -599,7 +599,8 @@ done:
     return out;
 }
 
-/* free(ids, top, fenced, lo, hi, occupied, slack, trim) -> (pending, lo, hi, visited) */
+/* free(ids, top, fenced, lo, hi, occupied, slack, trim) -> None, or (pending, lo, hi) when
+ * a fence holds some of the slots or the band was trimmed */
 static PyObject *slotloops_free(PyObject *op, PyObject *const *args, Py_ssize_t nargs) {
     SlotLoops *self = (SlotLoops *)op;
     if (!ready(self) || !args_count(nargs, 8, "free")) {
@@ -658,7 +659,8 @@ static PyObject *slotloops_free(PyObject *op, PyObject *const *args, Py_ssize_t 
     if (heap_reserve(&self->holes, n) < 0) {
         goto done;
     }
-    Py_ssize_t pending = 0, visited = 0;
+    Py_ssize_t pending = 0;
+    int64_t was_lo = lo, was_hi = hi;
     for (Py_ssize_t k = 0; k < n; k++) {
         int64_t slot = slots[k];
         self->loc[ids[k]] = -1;
@@ -674,18 +676,22 @@ static PyObject *slotloops_free(PyObject *op, PyObject *const *args, Py_ssize_t 
          * sweep first, amortised O(1) per stale entry. */
         int64_t holes = (hi - lo) - (occupied - n + pending);
         if (self->holes.len > 2 * (holes + n) + slack) {
-            visited += sweep_core(self, lo, hi, fenced);
+            self->visited += sweep_core(self, lo, hi, fenced);
         }
         for (Py_ssize_t k = 0; k < n; k++) {
             heap_push(&self->holes, self->sign * slots[k]);
         }
         if (mode >= 0 && (high == hi - 1 || low == lo)) { /* an end freed: it may shrink */
-            trim_core(self, &lo, &hi, fenced, mode, &visited);
+            trim_core(self, &lo, &hi, fenced, mode, &self->visited);
         }
     }
-    PyObject *items[4] = {PyLong_FromSsize_t(pending), PyLong_FromLongLong(lo),
-                          PyLong_FromLongLong(hi), PyLong_FromSsize_t(visited)};
-    out = tuple_of(4, items);
+    if (pending == 0 && lo == was_lo && hi == was_hi) { /* the usual free: nothing to report */
+        out = Py_NewRef(Py_None);
+    } else {
+        PyObject *items[3] = {PyLong_FromSsize_t(pending), PyLong_FromLongLong(lo),
+                              PyLong_FromLongLong(hi)};
+        out = tuple_of(3, items);
+    }
 done:
     if (buf != small) {
         PyMem_Free(buf);
@@ -724,7 +730,7 @@ static PyObject *slotloops_add(PyObject *op, PyObject *const *args, Py_ssize_t n
     return out;
 }
 
-/* sweep(lo, hi, fenced) -> entries read */
+/* sweep(lo, hi, fenced) */
 static PyObject *slotloops_sweep(PyObject *op, PyObject *const *args, Py_ssize_t nargs) {
     SlotLoops *self = (SlotLoops *)op;
     int64_t lo, hi;
@@ -733,10 +739,11 @@ static PyObject *slotloops_sweep(PyObject *op, PyObject *const *args, Py_ssize_t
         band_args(self, args[0], args[1], args[2], "sweep", 0, &lo, &hi, &fenced) < 0) {
         return NULL;
     }
-    return PyLong_FromSsize_t(sweep_core(self, lo, hi, fenced));
+    self->visited += sweep_core(self, lo, hi, fenced);
+    Py_RETURN_NONE;
 }
 
-/* trim(lo, hi, fenced, anchor) -> (lo, hi, visited) */
+/* trim(lo, hi, fenced, anchor) -> (lo, hi) */
 static PyObject *slotloops_trim(PyObject *op, PyObject *const *args, Py_ssize_t nargs) {
     SlotLoops *self = (SlotLoops *)op;
     int64_t lo, hi, mode;
@@ -750,9 +757,8 @@ static PyObject *slotloops_trim(PyObject *op, PyObject *const *args, Py_ssize_t 
         PyErr_Format(PyExc_ValueError, "trim: anchor must be 0-2, got %lld", (long long)mode);
         return NULL;
     }
-    Py_ssize_t visited = 0;
-    trim_core(self, &lo, &hi, fenced, mode, &visited);
-    return Py_BuildValue("(LLn)", (long long)lo, (long long)hi, visited);
+    trim_core(self, &lo, &hi, fenced, mode, &self->visited);
+    return Py_BuildValue("(LL)", (long long)lo, (long long)hi);
 }
 
 /* entries() -> the hole heap's entries, in heap order */
@@ -786,30 +792,37 @@ GUARDED(slotloops_trim)
 #define FAST(name) (PyCFunction)(void (*)(void))name##_guarded, METH_FASTCALL
 static PyMethodDef slotloops_methods[] = {
     {"take", FAST(slotloops_take),
-     "take(lo, hi, n, fenced) -> (slots, used): take off the hole heap the n holes of [lo, hi) "
-     "nearest the anchor (stale entries read on the way are dropped), and the entries read."},
+     "take(lo, hi, n, fenced) -> slots: take off the hole heap the n holes of [lo, hi) "
+     "nearest the anchor (stale entries read on the way are dropped)."},
     {"take_bind", FAST(slotloops_take_bind),
-     "take_bind(lo, hi, n, fenced, top) -> (ids, used, packed): take n holes and bind ids "
-     "popped off the free stack at top to them; ids is None (nothing bound) when fewer than n "
-     "were found; packed: the ids as native int64 bytes (a bytearray), None with ids."},
+     "take_bind(lo, hi, n, fenced, top) -> (ids, packed) or None: take n holes and bind ids "
+     "popped off the free stack at top to them (None, nothing bound, when fewer than n were "
+     "found); packed: the ids as native int64 bytes (a bytearray)."},
     {"bind", FAST(slotloops_bind),
      "bind(slots, top) -> ids: pop ids off the free stack and bind them to slots."},
     {"free", FAST(slotloops_free),
-     "free(ids, top, fenced, lo, hi, occupied, slack, trim) -> (pending, lo, hi, visited): "
+     "free(ids, top, fenced, lo, hi, occupied, slack, trim) -> None or (pending, lo, hi): "
      "unbind live ids of the band [lo, hi) holding `occupied` live or pending slots, push them "
      "on the free stack, sweep the hole heap when stale entries pass twice the holes plus "
      "slack, add their slots to it, and when an end of the band was freed trim it (trim: the "
-     "anchor 0-2, -1 for no trim); how many a fence holds, the band, the slots visited."},
+     "anchor 0-2, -1 for no trim); None unless a fence holds some (how many) or the band "
+     "changed (the band)."},
     {"add", FAST(slotloops_add), "add(slots): remember free slots as possible holes."},
     {"sweep", FAST(slotloops_sweep),
-     "sweep(lo, hi, fenced) -> read: keep only the entries that are holes of [lo, hi) now, "
-     "each once; the entries read."},
+     "sweep(lo, hi, fenced): keep only the entries that are holes of [lo, hi) now, each "
+     "once."},
     {"trim", FAST(slotloops_trim),
-     "trim(lo, hi, fenced, anchor) -> (lo, hi, visited): shrink the band from its inner "
+     "trim(lo, hi, fenced, anchor) -> (lo, hi): shrink the band from its inner "
      "edge(s) past free unfenced slots (anchor 0 low, 1 float, 2 high)."},
     {"entries", slotloops_entries, METH_NOARGS,
      "entries() -> the hole heap's entries (sign * slot), in heap order."},
     {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef slotloops_members[] = {
+    {"visited", T_PYSSIZET, offsetof(SlotLoops, visited), READONLY,
+     "Heap entries and band slots read so far (takes, sweeps, trims)."},
+    {NULL, 0, 0, 0, NULL},
 };
 
 static PySequenceMethods slotloops_as_sequence = {.sq_length = slotloops_len};
@@ -825,6 +838,7 @@ static PyTypeObject SlotLoopsType = {
     .tp_init = slotloops_init,
     .tp_dealloc = slotloops_dealloc,
     .tp_methods = slotloops_methods,
+    .tp_members = slotloops_members,
     .tp_as_sequence = &slotloops_as_sequence,
 };
 

@@ -136,16 +136,23 @@ class Arena:
         if self._pending:
             self._fences.retire()
         if n <= p.hi - p.lo - p.num_live - p.num_pending:  # the steady state: reuse holes
-            if n <= p.small_batch:
-                return p.alloc_holes(n)
+            if n <= p.small_batch:  # take holes and bind ids to them in one compiled call
+                got = p.loops.take_bind(p.lo, p.hi, n, p.fenced_refs != 0, p.num_free_ids)
+                assert got is not None, f"pool {p.name}: hole heap found fewer than {n} holes"
+                p.num_free_ids -= n
+                p.num_live += n
+                p.allocated += n
+                if p.changed is not None:
+                    p._log(got[0])
+                return got
             ids = p.bind_array(np.asarray(p.take_holes(n), dtype=np.int64))
             return ids.tolist(), bytearray(ids)
         slots = self._grow(p, n)
         if slots is None:
             return None
         if isinstance(slots, list):
-            got = p.bind(slots)
-            return got, packed(got)
+            bound = p.bind(slots)
+            return bound, packed(bound)
         ids = p.bind_array(slots)
         return ids.tolist(), bytearray(ids)
 
@@ -207,7 +214,17 @@ class Arena:
         if p is None:
             p = self._pool(pool)  # raises, naming the pools
         if type(ids) is list and len(ids) <= p.small_batch:  # the store's eviction
-            p.free_few(ids)  # (trims the band when an end was freed)
+            n = len(ids)  # (Pool.free_few, inlined: the store's hot path; trims the band)
+            if n:
+                got = p.loops.free(ids, p.num_free_ids, p.fenced_refs != 0, p.lo, p.hi,
+                                   p.num_live + p.num_pending, p.sweep_slack, p.mode)
+                p.num_free_ids += n
+                p.num_live -= n
+                if got is not None:  # a fence holds some, or the band was trimmed
+                    pending, p.lo, p.hi = got
+                    p.num_pending += pending
+                if p.changed is not None:
+                    p._log(ids)
         elif isinstance(ids, list | np.ndarray):
             self._release(p, ids)
         elif isinstance(ids, torch.Tensor):

@@ -61,19 +61,20 @@ class Pool:
         # Slots that may be holes, nearest the anchor first (keys: sign * slot), kept by the
         # loops with the few-id hot paths (a request's alloc and free): finding n holes costs
         # about n entries, not a scan of the band.
-        self._sign = -1 if self.anchor == "high" else 1
-        self._mode = ANCHORS.index(self.anchor)  # which ends trim shrinks
-        self._loops: SlotLoops = slot_loops(self.loc_np, self.owner_np, self._readers_np,
-                                            self._writers_np, self._free_np, sign=self._sign,
+        self.mode = ANCHORS.index(self.anchor)  # which ends trim shrinks (SlotLoops.trim)
+        # (Public: the arena's steady-state alloc and free call them directly.)
+        self.loops: SlotLoops = slot_loops(self.loc_np, self.owner_np, self._readers_np,
+                                            self._writers_np, self._free_np,
+                                            sign=-1 if self.anchor == "high" else 1,
                                             compiled=self.compiled)
         self.num_free_ids = max_slots
         self.num_live = 0
         self.num_pending = 0
         self.moves = 0
         self.allocated = 0  # blocks ever bound to an id (for moves per allocated block)
-        # Slots visited by scans (band edges, relocation, heap sweeps): tests bound it per
-        # allocation, so no hot path scans the whole band.
-        self.visited = 0
+        # Slots visited by this class's scans (relocation, pins); :attr:`visited` adds the
+        # loops' (hole-heap entries, band edges).
+        self._scanned = 0
         # Ids whose `loc` entry changed since a device mirror last synced (None: not logging).
         self.changed: list[torch.Tensor] | None = None
         self.num_changed = 0
@@ -89,6 +90,12 @@ class Pool:
     def end(self) -> int:
         """One past the last byte of the band."""
         return self.origin + self.hi * self.unit
+
+    @property
+    def visited(self) -> int:
+        """Slots visited by scans (band edges, relocation, hole-heap entries and sweeps): tests
+        bound it per allocation, so no hot path scans the whole band."""
+        return self._scanned + self.loops.visited
 
     @property
     def num_holes(self) -> int:
@@ -121,45 +128,26 @@ class Pool:
         assert len(found) == n, f"pool {self.name}: hole heap found {len(found)} of {n} holes"
         return found
 
-    def alloc_holes(self, n: int) -> tuple[list[int], bytearray]:
-        """:meth:`bind` fresh ids to :meth:`take_holes` ``(n)`` in one pass (the steady-state
-        alloc: reuse what eviction freed); returns the ids, as a list and packed as native
-        int64 bytes (:func:`gpu_arena.slots.packed`). The caller has checked that ``n`` is at
-        most :attr:`num_holes` (:meth:`Arena.alloc_packed` does, as its steady-state test)."""
-        ids, used, raw = self._loops.take_bind(self.lo, self.hi, n, self.fenced_refs != 0,
-                                               self.num_free_ids)
-        self.visited += used
-        assert ids is not None and raw is not None, \
-            f"pool {self.name}: hole heap found fewer than {n} holes"
-        self.num_free_ids -= n  # (_bound, inlined on the store's path)
-        self.num_live += n
-        self.allocated += n
-        if self.changed is not None:
-            self._log(ids)
-        return ids, raw
-
     def holes_within(self, lo: int, hi: int, n: int) -> list[int]:
         """Up to ``n`` reusable slots of ``[lo, hi)`` (inside the band) nearest the anchor,
         taken off the hole heap. Entries met on the way that are stale or outside ``[lo, hi)``
         are dropped: the caller re-cuts the band to ``[lo, hi)`` or it already is that."""
-        found, used = self._loops.take(lo, hi, n, self.fenced_refs != 0)
-        self.visited += used
-        return found
+        return self.loops.take(lo, hi, n, self.fenced_refs != 0)
 
     def _add_holes(self, slots: list[int] | np.ndarray) -> None:
         """Remember free ``slots`` as possible holes (validated when they surface), sweeping
         the hole heap first when stale entries outnumber the holes (these about to join them):
         amortised O(1) per stale entry."""
-        loops = self._loops
+        loops = self.loops
         if len(loops) > 2 * (self.num_holes + len(slots)) + self.sweep_slack:
-            self.visited += loops.sweep(self.lo, self.hi, self.fenced_refs != 0)
+            loops.sweep(self.lo, self.hi, self.fenced_refs != 0)
         loops.add(slots.tolist() if isinstance(slots, np.ndarray) else slots)
 
     def live_in(self, lo: int, hi: int) -> np.ndarray:
         """Slots of ``[lo, hi)`` holding a live block, in slot order (visits those slots)."""
         if hi <= lo:
             return np.empty(0, dtype=np.int64)
-        self.visited += hi - lo
+        self._scanned += hi - lo
         return np.flatnonzero(self.owner_np[lo:hi] >= 0) + lo
 
     def add_free_slots(self, lo: int, hi: int) -> None:
@@ -171,7 +159,7 @@ class Pool:
         """Lowest and highest slot holding a fence (such slots cannot move), or None."""
         if self.hi == self.lo or not self.fenced_refs:
             return None
-        self.visited += self.hi - self.lo
+        self._scanned += self.hi - self.lo
         idx = torch.nonzero(self.fenced(self.lo, self.hi)).flatten()
         if idx.numel() == 0:
             return None
@@ -196,7 +184,7 @@ class Pool:
         (:class:`SlotLoops`): for a few ids (:attr:`small_batch`); :meth:`bind_array` for many."""
         n = len(slots)
         assert n <= self.num_free_ids, f"pool {self.name}: {n} ids wanted, {self.num_free_ids} free"
-        ids = self._loops.bind(slots, self.num_free_ids)
+        ids = self.loops.bind(slots, self.num_free_ids)
         self._bound(ids)
         return ids
 
@@ -226,13 +214,13 @@ class Pool:
         n = len(ids)
         if not n:
             return
-        pending, self.lo, self.hi, visited = self._loops.free(
-            ids, self.num_free_ids, self.fenced_refs != 0, self.lo, self.hi,
-            self.num_live + self.num_pending, self.sweep_slack, self._mode)
+        got = self.loops.free(ids, self.num_free_ids, self.fenced_refs != 0, self.lo, self.hi,
+                               self.num_live + self.num_pending, self.sweep_slack, self.mode)
         self.num_free_ids += n
         self.num_live -= n
-        self.num_pending += pending
-        self.visited += visited
+        if got is not None:  # a fence holds some, or the band was trimmed
+            pending, self.lo, self.hi = got
+            self.num_pending += pending
         if self.changed is not None:
             self._log(ids)
 
@@ -323,13 +311,11 @@ class Pool:
     def trim(self) -> None:
         """Shrink the band from its inner edge(s) past slots that are free and unfenced.
         Scans outward from each edge in growing chunks, so the usual case costs one small op."""
-        self.lo, self.hi, visited = self._loops.trim(self.lo, self.hi, self.fenced_refs != 0,
-                                                     self._mode)
-        self.visited += visited
+        self.lo, self.hi = self.loops.trim(self.lo, self.hi, self.fenced_refs != 0, self.mode)
 
     def _occupied_np(self, lo: int, hi: int) -> np.ndarray:
         """:meth:`occupied` as a numpy mask (cheap for the few-slot scans of :meth:`trim`)."""
-        self.visited += max(0, hi - lo)
+        self._scanned += max(0, hi - lo)
         live = self.owner_np[lo:hi] >= 0
         if self.fenced_refs:
             live |= (self._readers_np[lo:hi] > 0) | (self._writers_np[lo:hi] > 0)
@@ -362,7 +348,8 @@ class Pool:
         everything = torch.cat([free, live_ids]).sort().values
         _require(bool(torch.equal(everything, torch.arange(self.max_slots))),
                  f"{name}: free ids + live ids are not all ids exactly once")
-        missing = set(self.holes().tolist()) - {self._sign * k for k in self._loops.entries()}
+        sign = -1 if self.anchor == "high" else 1  # hole-heap keys are sign * slot
+        missing = set(self.holes().tolist()) - {sign * k for k in self.loops.entries()}
         _require(not missing, f"{name}: {len(missing)} holes are not in the hole heap")
         if self.anchor == "low":
             _require(self.lo == 0, f"{name}: low band starts at slot {self.lo}")

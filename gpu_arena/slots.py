@@ -27,7 +27,8 @@ class SlotLoops:
     """One pool's hole heap (:class:`HoleHeap`: every hole of the band, nearest the anchor
     first; ``len()`` counts its entries) and the loops over the pool's tables (``loc``,
     ``owner``, fence counts, the free-id stack), read and written in place through
-    memoryviews (plain ints, ~50 ns an item)."""
+    memoryviews (plain ints, ~50 ns an item). ``visited`` counts the heap entries and band
+    slots they read (a cost stat: tests bound it per allocation)."""
 
     def __init__(self, loc: np.ndarray, owner: np.ndarray, readers: np.ndarray,
                  writers: np.ndarray, free_ids: np.ndarray, sign: int = 1) -> None:
@@ -36,6 +37,7 @@ class SlotLoops:
         self._owner_np, self._readers_np, self._writers_np = owner, readers, writers
         self._sign = sign
         self._holes = HoleHeap(sign, owner, readers, writers)
+        self.visited = 0
 
     def __len__(self) -> int:
         return len(self._holes)
@@ -48,26 +50,28 @@ class SlotLoops:
         """Remember free ``slots`` as possible holes (validated when they surface)."""
         self._holes.add(slots)
 
-    def take(self, lo: int, hi: int, n: int, fenced: bool) -> tuple[list[int], int]:
+    def take(self, lo: int, hi: int, n: int, fenced: bool) -> list[int]:
         """Take off the hole heap the first ``n`` holes of ``[lo, hi)`` (free, and unfenced
         when ``fenced``) nearest the anchor, dropping stale and repeated entries read on the
-        way; returns those slots and how many entries were read."""
-        return self._holes.take(lo, hi, n, fenced)
+        way."""
+        found, used = self._holes.take(lo, hi, n, fenced)
+        self.visited += used
+        return found
 
     def take_bind(self, lo: int, hi: int, n: int, fenced: bool,
-                  top: int) -> tuple[list[int] | None, int, bytearray | None]:
-        """:meth:`take` then :meth:`bind` to what it found (a steady-state alloc in one call);
-        the ids (None, nothing bound, when fewer than ``n`` holes were found), the entries read,
-        and the ids packed (:func:`packed`; None with the ids)."""
+                  top: int) -> tuple[list[int], bytearray] | None:
+        """:meth:`take` then :meth:`bind` to what it found (a steady-state alloc in one call):
+        the ids, and packed (:func:`packed`); None (nothing bound) when fewer than ``n`` holes
+        were found."""
         if n == 0:
-            return [], 0, bytearray()
+            return [], bytearray()
         if not self._holes.entries:
-            return None, 0, None
-        slots, used = self._holes.take(lo, hi, n, fenced)
+            return None
+        slots = self.take(lo, hi, n, fenced)
         if len(slots) < n:
-            return None, used, None
+            return None
         ids = self.bind(slots, top)
-        return ids, used, packed(ids)
+        return ids, packed(ids)
 
     def bind(self, slots: list[int], top: int) -> list[int]:
         """Pop ``len(slots)`` ids off the free stack (its ``top`` first) and bind them to
@@ -81,15 +85,16 @@ class SlotLoops:
         return ids
 
     def free(self, ids: list[int], top: int, fenced: bool, lo: int, hi: int, occupied: int,
-             slack: int, trim: int) -> tuple[int, int, int, int]:
+             slack: int, trim: int) -> tuple[int, int, int] | None:
         """Unbind live ``ids`` of the band ``[lo, hi)`` (which holds ``occupied`` live or
         pending slots) and push them on the free stack at ``top`` (the next pops hand them out
         in this order); sweep the hole heap when its stale entries pass twice the holes (these
         included) plus ``slack``; add their slots to it; and when an end of the band was freed,
-        :meth:`trim` it (``trim``: the anchor, -1 for none). Returns how many of the slots a
-        fence holds (counted only when ``fenced``), the band, and the slots visited."""
+        :meth:`trim` it (``trim``: the anchor, -1 for none). Returns None, or when a fence
+        holds some of the slots (counted only when ``fenced``) or the band changed, how many
+        and the band."""
         if not ids:
-            return 0, lo, hi, 0
+            return None
         loc, owner = self._loc, self._owner
         slots = [loc[i] for i in ids]
         for i, slot in zip(ids, slots, strict=True):
@@ -101,26 +106,23 @@ class SlotLoops:
         if fenced:
             readers, writers = self._readers, self._writers
             pending = sum(1 for s in slots if readers[s] > 0 or writers[s] > 0)
-        visited = 0
         holes = self._holes
         if len(holes) > 2 * ((hi - lo) - (occupied - n + pending) + n) + slack:
-            visited += holes.sweep(lo, hi, fenced)
+            self.sweep(lo, hi, fenced)
         holes.add(slots)
+        band = lo, hi
         if trim >= 0 and (max(slots) == hi - 1 or min(slots) == lo):
-            lo, hi, scanned = self.trim(lo, hi, fenced, trim)
-            visited += scanned
-        return pending, lo, hi, visited
+            lo, hi = self.trim(lo, hi, fenced, trim)
+        return None if pending == 0 and (lo, hi) == band else (pending, lo, hi)
 
-    def sweep(self, lo: int, hi: int, fenced: bool) -> int:
-        """Keep only the heap's entries that are holes of ``[lo, hi)`` now, each once; returns
-        the entries read."""
-        return self._holes.sweep(lo, hi, fenced)
+    def sweep(self, lo: int, hi: int, fenced: bool) -> None:
+        """Keep only the heap's entries that are holes of ``[lo, hi)`` now, each once."""
+        self.visited += self._holes.sweep(lo, hi, fenced)
 
-    def trim(self, lo: int, hi: int, fenced: bool, anchor: int) -> tuple[int, int, int]:
+    def trim(self, lo: int, hi: int, fenced: bool, anchor: int) -> tuple[int, int]:
         """Shrink the band from its inner edge(s) (:data:`LOW`: the top, :data:`HIGH`: the
         bottom, :data:`FLOAT`: both) past free unfenced slots, scanning outward from each edge
-        in chunks growing 8x, so the usual case costs one small op; the band and the slots
-        visited."""
+        in chunks growing 8x, so the usual case costs one small op; the band."""
         visited = 0
         if anchor != HIGH:  # one past the highest occupied slot, or lo
             top, h, chunk = lo - 1, hi, 8
@@ -144,7 +146,8 @@ class SlotLoops:
                     break
                 low, chunk = stop, chunk * 8
             lo = bottom
-        return lo, hi, visited
+        self.visited += visited
+        return lo, hi
 
     def _occupied(self, lo: int, hi: int, fenced: bool) -> np.ndarray:
         live = self._owner_np[lo:hi] >= 0

@@ -363,9 +363,9 @@ def test_a_free_that_sweeps_the_hole_heap_keeps_its_hole(monkeypatch: pytest.Mon
             assert edge is not None
             arena.free("kv", edge)
         pool = arena._pools["kv"]
-        before = len(pool._loops)
+        before = len(pool.loops)
         arena.free_owned("kv", [b])  # slot 1: an interior hole
-        swept += len(pool._loops) <= before
+        swept += len(pool.loops) <= before
         arena.check_integrity()
         again = arena.alloc("kv", 1)
         assert again is not None and arena.resolve("kv", again).tolist() == [1]
@@ -448,7 +448,7 @@ def test_steady_churn_keeps_the_hole_heap_small(slots: int) -> None:
         a.free_owned("swa", swa)
         requests.append((a.alloc_ids("kv", 24), a.alloc_ids("swa", 24)))
         for pool in a._pools.values():  # the sweep's threshold when the 24 were freed, + 24
-            assert len(pool._loops) <= 2 * (pool.num_holes + 48) + pool.sweep_slack + 24
+            assert len(pool.loops) <= 2 * (pool.num_holes + 48) + pool.sweep_slack + 24
     assert a.visited_slots() - visited <= 2 * 48 * 1_000
     assert a.stats().moves == moves, "reusing freed holes moves nothing"
     a.check_integrity()

@@ -41,7 +41,7 @@ def _state(arena: Arena) -> tuple[object, ...]:
     pools = []
     for p in arena._pools.values():
         pools.append((p.loc.tolist(), p.owner.tolist(), p.free_ids[: p.num_free_ids].tolist(),
-                      sorted(p._loops.entries()), len(p._loops), p.lo, p.hi, p.num_live,
+                      sorted(p.loops.entries()), len(p.loops), p.lo, p.hi, p.num_live,
                       p.num_pending, p.num_free_ids, p.allocated, p.moves, p.visited))
     return tuple(pools), arena.stats()
 
@@ -69,8 +69,8 @@ def test_random_calls_agree_side_by_side(seed: int, monkeypatch: pytest.MonkeyPa
     capacity = 96 * 64 + 16
     a = _arena(True, monkeypatch, capacity, POOLS, small)
     b = _arena(False, monkeypatch, capacity, POOLS, small)
-    assert type(a._pools["kv"]._loops) is not SlotLoops
-    assert type(b._pools["kv"]._loops) is SlotLoops
+    assert type(a._pools["kv"].loops) is not SlotLoops
+    assert type(b._pools["kv"].loops) is SlotLoops
     live: dict[str, list[int]] = {p.name: [] for p in POOLS}
     fences: list[tuple[object, object]] = []
     for step in range(600):
@@ -166,8 +166,9 @@ def _tables(n: int, rng: random.Random) -> list[np.ndarray]:
 
 def _same(c: Any, p: Any, c_tables: list[np.ndarray], p_tables: list[np.ndarray],
           what: str) -> None:
-    """The two loops hold the same heap entries and tables."""
+    """The two loops hold the same heap entries and tables, and read as many slots."""
     assert sorted(c.entries()) == sorted(p.entries()) and len(c) == len(p), f"{what}: heaps differ"
+    assert c.visited == p.visited, f"{what}: visited {c.visited} compiled, {p.visited} pure"
     for ct, pt in zip(c_tables, p_tables, strict=True):
         assert np.array_equal(ct, pt), f"{what}: tables differ"
 
@@ -204,8 +205,9 @@ def test_each_loop_agrees_on_random_tables(seed: int) -> None:
             want = rng.randint(0, min(n, top))
             got = c.take_bind(lo, hi, want, fenced, top)
             assert got == p.take_bind(lo, hi, want, fenced, top), what
-            ids, _, packed = got
-            assert (packed is None) if ids is None else packed == bytearray(array("q", ids))
+            if got is not None:
+                ids, packed = got
+                assert packed == bytearray(array("q", ids)) and len(ids) == want, what
         elif which == "bind":
             free_slots = np.flatnonzero(c_tables[1] < 0).tolist()
             slots = rng.sample(free_slots, rng.randint(0, min(len(free_slots), top)))
@@ -307,7 +309,7 @@ def test_compiled_loops_refuse_bad_input_and_change_nothing() -> None:
 
 def test_pure_loops_are_used_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     arena = _arena(False, monkeypatch, 64 * 16, [PoolSpec("kv", 16, "low")])
-    assert type(arena._pools["kv"]._loops) is SlotLoops
+    assert type(arena._pools["kv"].loops) is SlotLoops
     assert arena.alloc_ids("kv", 3) == [0, 1, 2]
     arena.free_owned("kv", [1])
     assert arena.alloc_ids("kv", 1) == [1] and arena.resolve("kv", [1]).tolist() == [1]
