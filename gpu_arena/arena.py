@@ -214,17 +214,7 @@ class Arena:
         if p is None:
             p = self._pool(pool)  # raises, naming the pools
         if type(ids) is list and len(ids) <= p.small_batch:  # the store's eviction
-            n = len(ids)  # (Pool.free_few, inlined: the store's hot path; trims the band)
-            if n:
-                got = p.loops.free(ids, p.num_free_ids, p.fenced_refs != 0, p.lo, p.hi,
-                                   p.num_live + p.num_pending, p.sweep_slack, p.mode)
-                p.num_free_ids += n
-                p.num_live -= n
-                if got is not None:  # a fence holds some, or the band was trimmed
-                    pending, p.lo, p.hi = got
-                    p.num_pending += pending
-                if p.changed is not None:
-                    p._log(ids)
+            p.free_few(ids)  # (one compiled call; trims the band when an end was freed)
         elif isinstance(ids, list | np.ndarray):
             self._release(p, ids)
         elif isinstance(ids, torch.Tensor):
