@@ -188,3 +188,25 @@ def test_end_generations_and_the_tracked_pages_invariant(pure: bool) -> None:
             assert code & 1 or key < s._page_limit
             assert not code & 1 or s._rotated or key in s._end_set
     assert s._rotated and s.threshold < mrc.DEFAULT_RATE * mrc_loops.SPACE
+
+
+@pytest.mark.parametrize("kw", [{"max_tracked": 16}, {}])
+def test_an_insert_of_the_match_pages_reuses_its_sample(kw: dict[str, Any]) -> None:
+    """The engine's usual step: a match, then an insert of the very same pages with a
+    checkpoint at their end (a new end, or one already known). The compiled path reuses the
+    match's sample (its last page now an end, sampled as one or not) instead of scanning
+    again; the pure path scans. The same stack, event by event."""
+    rng = random.Random(9)
+    compiled, pure = pair({"l1": 20_000}, UNITS, **kw)
+    for op, keys, n in workload(800, seed=10):
+        if op != "match":
+            continue
+        checkpoint = rng.random() < 0.9
+        for s in (compiled, pure):
+            s._reference(list(keys), n)
+            s._insert(list(keys), checkpoint)
+        assert compiled._pages == pure._pages and compiled._clock == pure._clock
+        assert compiled._tree.values == pure._tree.values
+        assert compiled._end_set == pure._end_set
+    assert compiled.curves() == pure.curves()
+    assert compiled._num_ends == pure._num_ends
