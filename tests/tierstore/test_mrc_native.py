@@ -191,11 +191,11 @@ def test_end_generations_and_the_tracked_pages_invariant(pure: bool) -> None:
 
 
 @pytest.mark.parametrize("kw", [{"max_tracked": 16}, {}])
-def test_an_insert_of_the_match_pages_reuses_its_sample(kw: dict[str, Any]) -> None:
+def test_an_insert_of_the_match_pages_plays_as_the_pure_path(kw: dict[str, Any]) -> None:
     """The engine's usual step: a match, then an insert of the very same pages with a
-    checkpoint at their end (a new end, or one already known). The compiled path reuses the
-    match's sample (its last page now an end, sampled as one or not) instead of scanning
-    again; the pure path scans. The same stack, event by event."""
+    checkpoint at their end (a new end, or one already known), which reuses the match's scan
+    (its last page now an end, sampled as one or not). The same stack as the pure path's,
+    event by event."""
     rng = random.Random(9)
     compiled, pure = pair({"l1": 20_000}, UNITS, **kw)
     for op, keys, n in workload(800, seed=10):
