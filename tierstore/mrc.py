@@ -46,8 +46,7 @@ if TYPE_CHECKING:
 # The per-event loops compiled (scan, a match's reads, a touch without an L2 overlap); None:
 # the pure-Python loops (:mod:`tierstore.mrc_loops`), the same curves to the bit (tested).
 _C = load("tierstore._c_mrc")
-# Sets a new end's bit in the end prefilter (``_end_bits``; see ``mrc_loops.END_BITS``).
-_mark_end = _C.mark_end if _C is not None else mrc_loops.mark_end
+_mark_end = _C.mark_end if _C is not None else mrc_loops.mark_end  # (mrc_loops.END_BITS)
 
 MULTIPLES = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0)
 # A page is sampled when its key sorts below the threshold's 4 bytes (``mrc_loops.SPACE``),
@@ -130,14 +129,10 @@ class Shadow:
         self._slots = 4 * max_tracked + 64
         self._tree = _Slots([0.0] * self._slots)
         self._clock = 0
-        # Candidate ends (keys of pages a checkpoint follows), two generations as the ghost's:
-        # the last ``_young`` keys in (a dict keeps its order) are the young one. One dict:
-        # one lookup per page, one insert per new end.
+        # Candidate ends (keys of pages a checkpoint follows), two generations in one dict (its
+        # last ``_young`` keys are the young one), and their prefilter (mrc_loops.END_BITS).
         self._end_set: dict[bytes, None] = {}
-        self._young = 0
-        self._rotated = False  # whether ends were ever forgotten (see _insert)
-        # ahead of that lookup in the compiled scan: a bit per key of the end set (most fresh
-        # keys are ruled out without being hashed); None without state (no ends)
+        self._young, self._rotated = 0, False  # (rotated: ends were forgotten; see _insert)
         self._end_bits = bytearray(mrc_loops.END_BITS // 8) if self.state else None
         self._w_page = self._w_end = 0.0
         self._wb = (0.0, 0.0)  # a slot's weighted bytes: a page's, an end's
@@ -263,9 +258,8 @@ class Shadow:
                     ends = known[3]
                     assert ends is not None
                     ends.append(n - 1)
-                # A page tracked as such sorts below the page limit (a lower rate drops the
-                # others), and one tracked as an end is in the end set until ends are first
-                # forgotten: otherwise it is not tracked, and the lookup is skipped.
+                # (a tracked page sorts below the page limit; a tracked end is in the end set
+                # until ends are first forgotten: else it is not tracked, and not looked up)
                 if last < self._page_limit or self._rotated:
                     code = self._pages.pop(last, None)
                     if code is not None:  # a tracked page becomes an end: tracked anew below
