@@ -304,23 +304,39 @@ def test_a_body_cut_short_is_a_4xx_not_a_500(svc: RunningService) -> None:
     assert 'status="500"' not in text
 
 
-def test_a_body_that_arrives_after_shutdown_began_is_still_read() -> None:
+_BODY = msgpack.packb({"tokens": [1, 2, 3, 4]})
+_HEAD = _request("/v1/match", _BODY)[:-len(_BODY)]
+
+
+@pytest.mark.parametrize("when", ["serving", "queued"])
+def test_a_body_that_arrives_after_shutdown_began_is_still_read(when: str) -> None:
     """aiohttp drops what a connection sends once shutdown begins, even the rest of the body
-    of a request it is serving; without ``GuardedHandler._drain`` that request waits out
-    ``body_timeout_s`` and holds the shutdown as long (CI saw a 30 s stall)."""
+    of a request whose headers came before: one it is serving, or one parsed and not yet
+    started. Without ``GuardedHandler._drain`` that request waits out ``body_timeout_s`` and
+    holds the shutdown as long (CI saw 30 s stalls)."""
     running = RunningService(tiny_store(), _config(body_timeout_s=60.0)).start()
-    assert running._runner is not None
-    body = msgpack.packb({"tokens": [1, 2, 3, 4]})
-    head = _request("/v1/match", body)[:-len(body)]
+    runner = running._runner
+    assert runner is not None and runner.server is not None
+    server = runner.server
     with socket.create_connection(("127.0.0.1", running.config.port), timeout=10) as sock:
-        sock.sendall(head)
-        server = running._runner.server
-        assert server is not None
-        handler = _wait_for(lambda: next(
-            (h for h in server.connections if h._request_in_progress), None))
-        cleanup = asyncio.run_coroutine_threadsafe(running._runner.cleanup(), running._loop)
-        _wait_for(lambda: handler._draining)
-        sock.sendall(body)
+        if when == "serving":
+            sock.sendall(_HEAD)
+            handler = _wait_for(lambda: next(
+                (h for h in server.connections if h._request_in_progress), None))
+            cleanup = asyncio.run_coroutine_threadsafe(runner.cleanup(), running._loop)
+            _wait_for(lambda: handler._draining)
+            sock.sendall(_BODY)
+        else:  # the headers, cleanup's first step (close) and the body in one loop turn
+            handler = _wait_for(lambda: next(iter(server.connections), None))
+
+            async def race() -> None:
+                handler.data_received(_HEAD)  # parsed and queued: not started yet
+                assert not handler._request_in_progress
+                server.pre_shutdown()  # what the runner's cleanup does first: close() each
+                handler.data_received(_BODY)
+
+            asyncio.run_coroutine_threadsafe(race(), running._loop).result(10)
+            cleanup = asyncio.run_coroutine_threadsafe(runner.cleanup(), running._loop)
         status, _, answer = _parse(_read_all(sock))
         cleanup.result(10)  # without the drain: body_timeout_s (60 s) first
     running._runner = None

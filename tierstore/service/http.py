@@ -5,8 +5,8 @@ aiohttp has a keep-alive timeout and a body size limit but no header-read timeou
 connection cap, and it reads a body up to the limit before refusing it; its parser errors are
 ``text/plain``. ``GuardedRunner`` runs an app behind a ``RequestHandler`` subclass that adds
 these, and it finishes reading a body already begun when shutdown starts (it uses aiohttp's
-request-handler internals: ``_request_count``, ``_kwargs``, ``_parser`` and
-``_request_in_progress``, checked by ``tests/service/test_hardening.py``).
+request-handler internals: ``_request_count``, ``_kwargs`` and ``_parser``, checked by
+``tests/service/test_hardening.py``).
 """
 
 from __future__ import annotations
@@ -125,16 +125,23 @@ class GuardedHandler(RequestHandler):
         finally:
             self.in_flight = max(0, self.in_flight - 1)
 
+    def close(self) -> None:
+        # A graceful close (the runner's cleanup calls it first, then shutdown): see _drain.
+        self._draining = True
+        super().close()
+
     async def shutdown(self, timeout: float | None = 15.0) -> None:
         self._draining = True
         await super().shutdown(timeout)
 
     def _drain(self, data: bytes) -> None:
-        """Once shutdown begins aiohttp drops what a connection sends, even the rest of the
-        body of a request it is serving and waits for (aiohttp#2298): that request then waits
-        out ``body_timeout_s`` and holds shutdown as long. Its body is still read here; a
-        request that starts now is not served (the connection closes after the answer)."""
-        if not self._request_in_progress or self._parser is None:
+        """Once a graceful close or shutdown begins, aiohttp drops what a connection sends,
+        even the rest of the body of a request whose headers came before (aiohttp#2298):
+        that request is served all the same (in progress, or queued), waits out
+        ``body_timeout_s`` for its body and holds shutdown as long. Bodies are still read
+        here; a request whose headers come now is not served (its parsed message is
+        dropped, and the connection closes after the answers owed)."""
+        if self._parser is None:
             return
         try:
             self._parser.feed_data(data)
