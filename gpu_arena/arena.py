@@ -139,11 +139,7 @@ class Arena:
             if n <= p.small_batch:  # take holes and bind ids to them in one compiled call
                 got = p.loops.take_bind(p.lo, p.hi, n, p.fenced_refs != 0, p.num_free_ids)
                 assert got is not None, f"pool {p.name}: hole heap found fewer than {n} holes"
-                p.num_free_ids -= n
-                p.num_live += n
-                p.allocated += n
-                if p.changed is not None:
-                    p._log(got[0])
+                p.bound(got[0])
                 return got
             ids = p.bind_array(np.asarray(p.take_holes(n), dtype=np.int64))
             return ids.tolist(), bytearray(ids)

@@ -61,11 +61,11 @@ class Pool:
         # Slots that may be holes, nearest the anchor first (keys: sign * slot), kept by the
         # loops with the few-id hot paths (a request's alloc and free): finding n holes costs
         # about n entries, not a scan of the band.
+        self.sign = -1 if self.anchor == "high" else 1  # hole-heap keys are sign * slot
         self.mode = ANCHORS.index(self.anchor)  # which ends trim shrinks (SlotLoops.trim)
         # (Public: the arena's steady-state alloc and free call them directly.)
         self.loops: SlotLoops = slot_loops(self.loc_np, self.owner_np, self._readers_np,
-                                            self._writers_np, self._free_np,
-                                            sign=-1 if self.anchor == "high" else 1,
+                                            self._writers_np, self._free_np, sign=self.sign,
                                             compiled=self.compiled)
         self.num_free_ids = max_slots
         self.num_live = 0
@@ -185,7 +185,7 @@ class Pool:
         n = len(slots)
         assert n <= self.num_free_ids, f"pool {self.name}: {n} ids wanted, {self.num_free_ids} free"
         ids = self.loops.bind(slots, self.num_free_ids)
-        self._bound(ids)
+        self.bound(ids)
         return ids
 
     def bind_array(self, slots: np.ndarray) -> np.ndarray:
@@ -196,10 +196,11 @@ class Pool:
         ids = self._free_np[top - n : top][::-1].copy()
         self.loc_np[ids] = slots
         self.owner_np[slots] = ids
-        self._bound(ids)
+        self.bound(ids)
         return ids
 
-    def _bound(self, ids: list[int] | np.ndarray) -> None:
+    def bound(self, ids: list[int] | np.ndarray) -> None:
+        """Count ``ids`` as just bound (off the free stack, live) and log them."""
         n = len(ids)
         self.num_free_ids -= n
         self.num_live += n
@@ -348,8 +349,7 @@ class Pool:
         everything = torch.cat([free, live_ids]).sort().values
         _require(bool(torch.equal(everything, torch.arange(self.max_slots))),
                  f"{name}: free ids + live ids are not all ids exactly once")
-        sign = -1 if self.anchor == "high" else 1  # hole-heap keys are sign * slot
-        missing = set(self.holes().tolist()) - {sign * k for k in self.loops.entries()}
+        missing = set(self.holes().tolist()) - {self.sign * k for k in self.loops.entries()}
         _require(not missing, f"{name}: {len(missing)} holes are not in the hole heap")
         if self.anchor == "low":
             _require(self.lo == 0, f"{name}: low band starts at slot {self.lo}")

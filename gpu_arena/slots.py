@@ -35,7 +35,6 @@ class SlotLoops:
         self._loc, self._owner = loc.data, owner.data
         self._readers, self._writers, self._free = readers.data, writers.data, free_ids.data
         self._owner_np, self._readers_np, self._writers_np = owner, readers, writers
-        self._sign = sign
         self._holes = HoleHeap(sign, owner, readers, writers)
         self.visited = 0
 
