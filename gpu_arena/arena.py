@@ -13,10 +13,10 @@ import kernels
 from gpu_arena import compaction
 from gpu_arena.fence import Fence, FenceMode, Fences
 from gpu_arena.ids import IdsLike, checked_ids
-from gpu_arena.planner import Plan, ceil_div, fits, plan
+from gpu_arena.planner import Plan, ceil_div, fits, float_start, limits, plan
 from gpu_arena.pool import Pool
 from gpu_arena.slots import packed
-from gpu_arena.spec import ALIGN, ANCHORS, ArenaError, IntegrityError, PoolSpec
+from gpu_arena.spec import ANCHORS, ArenaError, IntegrityError, PoolSpec, check_pools
 from gpu_arena.stats import ArenaStats, PoolStats
 from gpu_arena.views import Views
 
@@ -47,22 +47,7 @@ class Arena:
         shape-only), for capacity studies at real sizes. ``buffer`` (``uint8``,
         ``[capacity_bytes]``, on ``device``) is memory to use instead of a fresh zeroed
         allocation, e.g. a shared-memory segment; the arena never frees it."""
-        if capacity_bytes <= 0 or capacity_bytes % ALIGN:
-            raise ArenaError(
-                f"capacity_bytes must be a positive multiple of {ALIGN}, got {capacity_bytes}"
-            )
-        names = [p.name for p in pools]
-        if not pools or len(set(names)) != len(names):
-            raise ArenaError(f"need at least one pool and unique names, got {names}")
-        anchors = [p.anchor for p in pools]
-        if len(set(anchors)) != len(anchors):
-            pairs = dict(zip(names, anchors, strict=True))
-            raise ArenaError(f"at most one pool per anchor, got {pairs}")
-        for p in pools:
-            if p.unit_bytes > capacity_bytes:
-                raise ArenaError(
-                    f"pool {p.name!r}: unit of {p.unit_bytes} B exceeds capacity {capacity_bytes} B"
-                )
+        check_pools(capacity_bytes, pools)
         self.capacity_bytes = capacity_bytes
         self.device = torch.device(device)
         if buffer is not None:
@@ -169,16 +154,49 @@ class Arena:
         if fenced:  # retired only once the request is known good: bad input changes nothing
             self._fences.retire()
             short = any(n > pools[name].num_holes for name, n in request.items())
-        if not short:  # holes alone hold it: no plan needed (a plan would find the same)
-            return True
-        # Bands never overlap and each keeps at least its occupied slots plus its part of the
-        # request, so past the capacity no plan exists: the steady state of a full cache (it
-        # evicts) answers here without planning.
+        # holes alone hold it: no plan needed (a plan would find the same)
+        return not short or self._fits(request)
+
+    def _fits(self, request: Mapping[str, int]) -> bool:
+        """Whether a plan places ``request`` (checked) past the holes. Bands never overlap and
+        each keeps at least its occupied slots plus its part of the request, so past the
+        capacity no plan exists: a full cache's steady state (it evicts) answers unplanned."""
         need = 0
         for p in self._pool_list:
             need += (p.num_live + p.num_pending + request.get(p.name, 0)) * p.unit
         return need <= self.capacity_bytes and fits(self._low, self._float, self._high,
                                                     self.capacity_bytes, request)
+
+    def try_alloc(self, request: Mapping[str, int]
+                  ) -> dict[str, tuple[list[int], bytearray]] | None:
+        """:meth:`can_alloc`, then, when holes alone hold ``request`` (a few blocks a pool, no
+        fence pending), :meth:`alloc_packed` of each pool in its order: those results; ``{}``
+        when room exists otherwise (the caller allocates), None when not. Same errors."""
+        pools = self._pools
+        short = odd = False
+        for name, n in request.items():  # (can_alloc's one pass)
+            p = pools.get(name)
+            if p is None:
+                p = self._pool(name)  # raises, naming the pools
+            if type(n) is not int or n < 0:
+                _count(name, n)  # raises unless an int subclass
+                odd = True
+            elif n > p.hi - p.lo - p.num_live - p.num_pending:
+                short = True
+            elif n > p.small_batch:
+                odd = True
+        if self._pending or odd:  # fences, many blocks, int subclasses: can_alloc alone
+            return {} if self.can_alloc(request) else None
+        if short:
+            return {} if self._fits(request) else None
+        out = {}
+        for name, n in request.items():  # alloc_packed's steady case
+            p = pools[name]
+            got = p.loops.take_bind(p.lo, p.hi, n, p.fenced_refs != 0, p.num_free_ids)
+            assert got is not None, f"pool {p.name}: hole heap found fewer than {n} holes"
+            p.bound(got[0])
+            out[name] = got
+        return out
 
     def max_alloc(self, pool: str) -> int:
         """The most blocks of ``pool`` one allocation could get now (after compaction). Changes
@@ -405,20 +423,6 @@ class Arena:
     def _ids(self, p: Pool, ids: IdsLike, *, check: bool = True) -> torch.Tensor:
         return checked_ids(p, ids, check=check)
 
-    def _limits(self, p: Pool) -> tuple[int, int]:
-        """Bytes ``[lower, upper)`` between the non-empty neighbouring bands of ``p``."""
-        lower, upper = 0, self.capacity_bytes
-        seen_p = False
-        for q in self._pools.values():
-            if q is p:
-                seen_p = True
-            elif q.hi > q.lo:
-                if seen_p:
-                    upper = min(upper, q.start)
-                else:
-                    lower = max(lower, q.end)
-        return lower, upper
-
     def _free_slots(self, p: Pool, n: int) -> list[int] | np.ndarray | None:
         """Free slots for ``n`` new blocks (a list for a few, an array past the pool's
         ``small_batch``), compacting when holes and the gap are not enough; ``None`` (nothing
@@ -450,13 +454,13 @@ class Arena:
         need = n - n_holes
         if need == 0:
             return p.take_holes(n)
-        lower, upper = self._limits(p)
+        lower, upper = limits(self._pool_list, p, self.capacity_bytes)
         first_fit = max(0, ceil_div(lower - p.origin, p.unit))  # lowest slot above `lower`
         last_fit = (upper - p.origin) // p.unit  # one past the highest slot below `upper`
         if p.hi == p.lo and p.anchor == "float":  # an empty floating band may start anywhere
             if last_fit - first_fit < need:
                 return None
-            p.lo = p.hi = self._float_start(first_fit, last_fit, need)
+            p.lo = p.hi = float_start(self._low, self._high, first_fit, last_fit, need)
         up = last_fit - p.hi if p.anchor != "high" else 0
         down = p.lo - first_fit if p.anchor != "low" else 0
         if up + down < need or (p.hi - p.lo) + need > p.cap:
@@ -472,16 +476,6 @@ class Arena:
         return np.concatenate([np.asarray(holes, dtype=np.int64),
                                np.arange(below.start, below.stop, dtype=np.int64),
                                np.arange(above.start, above.stop, dtype=np.int64)])
-
-    def _float_start(self, first_fit: int, last_fit: int, need: int) -> int:
-        """Where an empty floating band starts in the free slots ``[first_fit, last_fit)``:
-        against the end that no pool grows from (so filling the arena moves nothing), else
-        in the middle (a neighbour reaching it slides it by what that neighbour needs)."""
-        if self._low is None:
-            return first_fit
-        if self._high is None:
-            return last_fit - need
-        return first_fit + (last_fit - first_fit - need) // 2
 
     def _plan(self, request: Mapping[str, int]) -> Plan | None:
         return plan(self._low, self._float, self._high, self.capacity_bytes, request)

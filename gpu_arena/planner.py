@@ -7,7 +7,7 @@ a plan, ``alloc`` executes one only when holes and the adjacent gap are not enou
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from gpu_arena.pool import Pool
@@ -83,3 +83,31 @@ def _grown(p: Pool, request: Mapping[str, int]) -> int:
 
 def ceil_div(a: int, b: int) -> int:
     return -((-a) // b)
+
+
+def limits(pools: Sequence[Pool], p: Pool, capacity: int) -> tuple[int, int]:
+    """Bytes ``[lower, upper)`` between the non-empty neighbouring bands of ``p`` (``pools``
+    in band order)."""
+    lower, upper = 0, capacity
+    seen_p = False
+    for q in pools:
+        if q is p:
+            seen_p = True
+        elif q.hi > q.lo:
+            if seen_p:
+                upper = min(upper, q.start)
+            else:
+                lower = max(lower, q.end)
+    return lower, upper
+
+
+def float_start(low: Pool | None, high: Pool | None, first_fit: int, last_fit: int,
+                need: int) -> int:
+    """Where an empty floating band starts in the free slots ``[first_fit, last_fit)``:
+    against the end that no pool grows from (so filling the arena moves nothing), else
+    in the middle (a neighbour reaching it slides it by what that neighbour needs)."""
+    if low is None:
+        return first_fit
+    if high is None:
+        return last_fit - need
+    return first_fit + (last_fit - first_fit - need) // 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -44,4 +45,25 @@ class PoolSpec:
         if self.anchor not in ANCHORS:
             raise ArenaError(
                 f"pool {self.name!r}: anchor must be one of {ANCHORS}, got {self.anchor!r}"
+            )
+
+
+def check_pools(capacity_bytes: int, pools: Sequence[PoolSpec]) -> None:
+    """Raise ArenaError unless an arena of ``capacity_bytes`` can hold ``pools``: an aligned
+    capacity, one or more pools with unique names and anchors, each unit within the capacity."""
+    if capacity_bytes <= 0 or capacity_bytes % ALIGN:
+        raise ArenaError(
+            f"capacity_bytes must be a positive multiple of {ALIGN}, got {capacity_bytes}"
+        )
+    names = [p.name for p in pools]
+    if not pools or len(set(names)) != len(names):
+        raise ArenaError(f"need at least one pool and unique names, got {names}")
+    anchors = [p.anchor for p in pools]
+    if len(set(anchors)) != len(anchors):
+        pairs = dict(zip(names, anchors, strict=True))
+        raise ArenaError(f"at most one pool per anchor, got {pairs}")
+    for p in pools:
+        if p.unit_bytes > capacity_bytes:
+            raise ArenaError(
+                f"pool {p.name!r}: unit of {p.unit_bytes} B exceeds capacity {capacity_bytes} B"
             )

@@ -92,6 +92,27 @@ class Mover:
                 return True
         return arena.can_alloc(demand)
 
+    def take_room(self, demand: Mapping[str, int]
+                  ) -> dict[str, tuple[list[int], bytearray]] | None:
+        """:meth:`make_room`, then (when holes alone hold ``demand``) its allocation in the same
+        step (:meth:`~gpu_arena.Arena.try_alloc`: the packed ids per kind); an empty dict when
+        room was made otherwise (the caller allocates), None when there is none. The same
+        evictions as :meth:`make_room`."""
+        try_alloc = self.arena.try_alloc
+        got = try_alloc(demand)
+        if got is not None:
+            return got
+        if self.config.stop_rule != "unified":  # StopCondition's loop: the caller allocates
+            return {} if self.make_room(demand) else None
+        peek = self._l1_queue.peek  # (make_room's unified loop, checking through try_alloc)
+        while (leaf := peek()) is not None:
+            self.evict_l1(leaf)
+            assert not leaf.holds(_L1), "an evicted node still holds L1 blocks"
+            got = try_alloc(demand)
+            if got is not None:
+                return got
+        return try_alloc(demand)  # (a fence may have retired since)
+
     def evict_l1(self, node: Node) -> dict[str, int]:
         """Demote ``node``'s L1 data (to L2, else L3), free it; blocks freed per kind."""
         if self._lower:
@@ -232,7 +253,7 @@ class Mover:
         index = self.index
         root = index.root
         while (n is not None and n is not root and not n.children and n.lock == 0
-               and not n.holds_any()):
+               and not any(n._held)):  # (holds_any, without its call)
             parent = n.parent
             on_drop = self.on_drop  # (read each time: a benchmark may wrap it)
             if on_drop is not None:

@@ -307,12 +307,13 @@ class TierStore:
         prefixes per the stopping rule; ``None`` when even evicting everything unlocked cannot
         make room (what was evicted stays evicted)."""
         demand = checks.demand(self.kinds, demand)
-        if not self.mover.make_room(demand):
+        taken = self.mover.take_room(demand)  # (evicts; usually allocates too, in one call)
+        if taken is None:
             return None
         alloc, hand_out = self.arena.alloc_packed, self.ledger.hand_out_fresh
         blocks = {}
         for kind, n in demand.items():
-            got = alloc(kind, n)
+            got = taken[kind] if taken else alloc(kind, n)
             assert got is not None, f"can_alloc promised {demand}, {kind} failed"
             ids, packed = got
             # (n >= 1: demand drops zeros. The bytearray is the tensor's alone.)

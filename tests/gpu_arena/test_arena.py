@@ -416,6 +416,70 @@ def test_alloc_packed_packs_what_alloc_ids_hands_out() -> None:
     a.check_integrity()
 
 
+class Big(int):
+    """An int subclass: a count try_alloc leaves to can_alloc and alloc_packed."""
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_try_alloc_is_can_alloc_then_alloc_packed(seed: int) -> None:
+    """:meth:`Arena.try_alloc` answers what :meth:`Arena.can_alloc` answers, and what it takes
+    is what :meth:`Arena.alloc_packed` of each pool in the request's order hands out, on random
+    joint requests (holes, the gap, past the capacity, many blocks, fences pending, int
+    subclasses); the arenas stay alike (tables, holes, visited slots). Bad requests raise the
+    same error and change nothing."""
+    import random
+
+    rng = random.Random(seed)
+    a, b = three_pools(96 * U), three_pools(96 * U)
+    for arena in (a, b):
+        for pool in arena.pool_names():
+            arena._pools[pool].small_batch = 6  # requests past it too
+    live: dict[str, list[int]] = {p: [] for p in a.pool_names()}
+    fences: list[tuple[object, object]] = []
+    for _ in range(300):
+        pools = rng.sample(a.pool_names(), rng.randint(1, 3))
+        request = {p: rng.choice([0, 1, 2, 3, 5, 8, 13]) for p in pools}
+        if rng.random() < 0.05:
+            request[pools[0]] = Big(request[pools[0]])
+        want = b.can_alloc(request)
+        got = a.try_alloc(request)
+        assert (got is not None) == want
+        if got is None:
+            continue
+        for pool, n in request.items():  # what the store does with the answer
+            packed = got[pool] if got else a.alloc_packed(pool, n)
+            assert packed is not None
+            ids = b.alloc_packed(pool, n)
+            assert ids is not None and packed[0] == ids[0] and packed[1] == ids[1]
+            live[pool] += ids[0]
+        for pool in a.pool_names():  # free some, so holes (and trims) come and go
+            if live[pool] and rng.random() < 0.7:
+                gone = rng.sample(live[pool], rng.randint(1, len(live[pool])))
+                live[pool] = [i for i in live[pool] if i not in gone]
+                a.free_owned(pool, gone)
+                b.free_owned(pool, gone)
+        if rng.random() < 0.1 and live["kv"]:  # a read fence on some live kv blocks
+            fences.append((a.fence("kv", live["kv"][:2], "read"),
+                           b.fence("kv", live["kv"][:2], "read")))
+        if fences and rng.random() < 0.3:
+            for fence in fences.pop(0):
+                fence.complete()  # type: ignore[attr-defined]
+        assert a.stats() == b.stats() and a.visited_slots() == b.visited_slots()
+        for pool in a.pool_names():
+            pa, pb = a._pools[pool], b._pools[pool]
+            assert sorted(pa.loops.entries()) == sorted(pb.loops.entries())
+    before = a.stats()
+    for bad, error in (({"nope": 1}, "unknown pool"), ({"kv": -1}, "non-negative int"),
+                       ({"kv": 1, "swa": 1.5}, "non-negative int"), ({"kv": True}, "int")):
+        with pytest.raises(ArenaError, match=error):
+            a.try_alloc(bad)  # type: ignore[arg-type]
+        with pytest.raises(ArenaError, match=error):
+            b.can_alloc(bad)  # type: ignore[arg-type]
+    assert a.stats() == before
+    a.check_integrity()
+    b.check_integrity()
+
+
 def test_free_owned_takes_lists_arrays_and_tensors() -> None:
     import numpy as np
 
