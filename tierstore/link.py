@@ -68,11 +68,13 @@ def link(index: RadixIndex, keys: list[bytes], path: list[Segment],
                     spare["swa"].append(new_swa[i])
                     new_swa[i] = ABSENT
                     dropped += 1
-        # the kept ids first: the lists become the leaf's columns
-        kept["kv"] += new_kv if ABSENT not in new_kv else [i for i in new_kv if i >= 0]
-        kept["swa"] += new_swa if ABSENT not in new_swa else [i for i in new_swa if i >= 0]
-        end = index.grow(end, keys[cached:], l1, {"kv": new_kv, "swa": new_swa}, now,
-                         priority, wall)
+        # the kept ids first: the lists become the leaf's columns (and count its entries)
+        kv_kept = new_kv if ABSENT not in new_kv else [i for i in new_kv if i >= 0]
+        swa_kept = new_swa if ABSENT not in new_swa else [i for i in new_swa if i >= 0]
+        kept["kv"] += kv_kept
+        kept["swa"] += swa_kept
+        end = index.grow(end, keys[cached:], l1, {"kv": new_kv, "swa": new_swa},
+                         len(kv_kept) + len(swa_kept), now, priority, wall)
         touched = True
     checkpoint = False
     if state_ids is not None:

@@ -22,7 +22,10 @@ from collections.abc import Callable, Iterator, Sequence
 from enum import IntEnum
 
 from tierstore.eviction import EvictionQueue
+from tierstore.native import load
 
+# walk (tierstore/_c_radix.c), or None: RadixIndex.walk's Python loop
+_c = load("tierstore._c_radix")
 _serial = itertools.count()
 
 ABSENT = -1
@@ -174,6 +177,12 @@ class RadixIndex:
     def walk(self, keys: Sequence[bytes]) -> list[Segment]:
         """The longest run of ``keys`` present in the tree, as segments along one path.
         Changes nothing."""
+        if _c is not None and type(keys) is list:
+            return _c.walk(self.root, keys, Segment)
+        return self._walk(keys)
+
+    def _walk(self, keys: Sequence[bytes]) -> list[Segment]:
+        """:meth:`walk` in Python (``_c_radix.walk``'s twin)."""
         path: list[Segment] = []
         node, pos, total = self.root, 0, len(keys)
         while pos < total:
@@ -253,8 +262,14 @@ class RadixIndex:
         sid = node._state[t]
         out[CHECKPOINT] = [sid] if sid >= 0 else []
         node._state[t] = ABSENT
-        if node._held[t]:
-            self._count(node, t, -node._held[t])
+        if node._held[t]:  # _count(node, t, -held) inlined (an eviction a request)
+            node._held[t] = 0  # holds nothing in t now: the parent has one holding child less
+            parent = node.parent
+            if parent is not None:
+                parent._child_held[t] -= 1
+                self._refresh(parent, t)
+            if node.queued[t]:  # (_refresh of the node: no longer a candidate)
+                self._queue_at[t].discard(node)
         return out
 
     def _count(self, node: Node, t: int, delta: int) -> None:
@@ -353,25 +368,20 @@ class RadixIndex:
         return leaf
 
     def grow(self, parent: Node, keys: list[bytes], tier: int, columns: dict[str, Sequence[int]],
-             now: float, priority: int, wall: float) -> Node:
+             held: int, now: float, priority: int, wall: float) -> Node:
         """:meth:`extend` then :meth:`fill` for an insert's new leaf, with a :meth:`touch` of it
         (``now``, ``priority``, ``wall``; not a hit) in between: the leaf joins its eviction
         queue once, at its touched key. ``keys`` and ``columns`` (every page kind, entries >= 0
-        or ABSENT) become the leaf's own lists: the caller hands them over and keeps no
-        reference it writes to."""
+        or ABSENT; ``held`` entries >= 0 in all, as the caller counted them) become the leaf's
+        own lists: the caller hands them over and keeps no reference it writes to."""
         assert keys and keys[0] not in parent.children, "grow needs a fresh branch"
         n = len(keys)
         leaf = Node(parent, parent.depth + len(parent.keys), keys)
-        leaf.last_use, leaf.priority = parent.last_use, parent.priority
         parent.children[keys[0]] = leaf
         self.num_nodes += 1
         self.num_pages += n
-        self.touch(leaf, now, priority, hit=False, wall=wall)
+        self.touch(leaf, now, priority, hit=False, wall=wall)  # (sets the leaf's clocks)
         t = tier - 1
-        held = 0
-        for kind, values in columns.items():
-            assert len(values) == n, f"{kind}: {len(values)} entries, {n} pages"
-            held += n - values.count(ABSENT)
         assert len(columns) == len(PAGE_KINDS), f"columns {list(columns)}"
         leaf._pages[t] = columns
         if held:  # _count for a leaf that held nothing in the tier: the parent gains a child

@@ -18,8 +18,11 @@ from collections.abc import Sequence
 
 import torch
 
+from tierstore.native import load
 from tierstore.radix import ABSENT, Segment, Tier
 
+# held / walk (tierstore/_c_radix.c), or None: the Python paths here and in radix.py
+_c = load("tierstore._c_radix")
 _EMPTY = torch.empty(0, dtype=torch.long)
 _L1 = int(Tier.L1)  # a plain int: reading an enum member costs ~0.2-0.5 us, several a match
 
@@ -136,6 +139,18 @@ def held_in_l1(path: Sequence[Segment], *, swa: bool, state: bool, window: int
         last = path[-1]
         if last.pages != len(last.node.keys) or last.node.checkpoint(_L1) < 0:
             return None
+    if _c is not None and type(path) is list:  # (a walk's)
+        got = _c.held(path, window if swa else -1)
+        if got is None:
+            return None
+        return got[0], torch.frombuffer(got[1], dtype=torch.long), \
+            torch.frombuffer(got[2], dtype=torch.long)
+    return _held(path, swa=swa, window=window)
+
+
+def _held(path: Sequence[Segment], *, swa: bool, window: int
+          ) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+    """:func:`held_in_l1` past its checkpoint test, in Python (``_c_radix.held``'s twin)."""
     kv = sw = None
     for seg in path:
         p = seg.pages
