@@ -686,9 +686,12 @@ static int bump(PyObject *hist, Py_ssize_t b, double v) {
     return add_float(hist, b, v);
 }
 
+// A kind's histogram bin b gets weight (b < 0: none), and its reference count (refs NULL:
+// none).
 static int count_kind(PyObject *pair, PyObject *refs, Py_ssize_t b, double weight) {
     PyObject *kind = PyTuple_GET_ITEM(pair, 1);
-    if (bump(PyTuple_GET_ITEM(pair, 0), b, weight) < 0) return -1;
+    if (b >= 0 && bump(PyTuple_GET_ITEM(pair, 0), b, weight) < 0) return -1;
+    if (refs == NULL) return 0;
     PyObject *r = PyDict_GetItemWithError(refs, kind);
     if (r == NULL) {
         if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, kind);
@@ -769,7 +772,8 @@ static int overlap_tallies(PyObject *thr, double top, double c1, PyObject *l2_hi
 // reference(pages, values, sums, keys, sampled, ends, last, clock, edges, hist, page,
 //           w_page, w_end, page_kinds, end_kinds, refs, touched, seen)
 // As the loop of Shadow._reference without an L2 overlap: fills touched, seen, the
-// histograms and the kinds' reference counts.
+// histograms and the kinds' reference counts (every sampled position's, tracked or not). A
+// distance past the last edge is read as untracked (mrc_stack.trim drops such pages).
 static PyObject *reference(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 18 && nargs != 25) {
         PyErr_SetString(PyExc_TypeError, "reference takes 18 arguments (25 with an overlap)");
@@ -817,42 +821,16 @@ static PyObject *reference(PyObject *self, PyObject *const *args, Py_ssize_t nar
     }
     Py_ssize_t nsums = PyList_GET_SIZE(sums);
     Py_ssize_t n = PySequence_Fast_GET_SIZE(keys), ns = PyList_GET_SIZE(sampled);
+    Py_ssize_t n_page = 0, n_end = 0;  // every sampled reference counts in refs, by class
     for (Py_ssize_t j = 0; j < ns; j++) {
         // A key stored in pages or seen may compare by Python code, which could change the
         // lists: their items are read afresh after each lookup, and their sizes checked.
         if (PySequence_Fast_GET_SIZE(keys) != n || PyList_GET_SIZE(sampled) != ns) goto changed;
         Py_ssize_t i = pos_at(sampled, j, n);
         if (i < 0) return NULL;
-        PyObject *key = Py_NewRef(PySequence_Fast_ITEMS(keys)[i]);
-        PyObject *cv = PyDict_GetItemWithError(pages, key);
-        Py_DECREF(key);
-        if (cv == NULL) {
-            if (PyErr_Occurred()) return NULL;
-            continue;
-        }
-        if (PyList_GET_SIZE(values) != nslots || PyList_GET_SIZE(sums) != nsums
-            || PyList_GET_SIZE(sampled) != ns)
-            goto changed;
-        PyObject **vals = PySequence_Fast_ITEMS(values), **sm = PySequence_Fast_ITEMS(sums);
-        long long code;
-        if (code_of(cv, nslots, &code) < 0) return NULL;
-        if (code < 0) {
-            PyErr_SetString(PyExc_ValueError, "a page off the stack");
-            return NULL;
-        }
-        double dist;
-        if (suffix(vals, sm, (Py_ssize_t)(code >> 1), clock, &dist) < 0) return NULL;
-        PyObject *pos = Py_NewRef(PyList_GET_ITEM(sampled, j));  // held over seen's lookup
-        PyObject *d = PyFloat_FromDouble(dist);
-        int rc = d == NULL ? -1 : PyDict_SetItem(seen, pos, d);
-        Py_XDECREF(d);
-        if (rc == 0 && i <= last) rc = PyList_Append(touched, pos);
-        Py_DECREF(pos);
-        if (rc < 0) return NULL;
-        Py_ssize_t b = bisect_left(edges, dist);
-        if (PyErr_Occurred()) return NULL;
         double weight, hit;
         PyObject *kinds;
+        int is_end = 0;
         if (ends == Py_None) {
             weight = w_page;
             hit = (double)page * weight;
@@ -878,6 +856,7 @@ static PyObject *reference(PyObject *self, PyObject *const *args, Py_ssize_t nar
                 }
                 hit = (double)tokens * weight;
                 kinds = end_kinds;
+                is_end = 1;
             } else {
                 if (PyErr_Occurred()) return NULL;
                 weight = w_page;
@@ -885,11 +864,51 @@ static PyObject *reference(PyObject *self, PyObject *const *args, Py_ssize_t nar
                 kinds = page_kinds;
             }
         }
-        if (bump(hist, b, hit) < 0 || count_kinds(kinds, refs, b, weight) < 0) return NULL;
+        n_end += is_end;
+        n_page += !is_end;
+        PyObject *key = Py_NewRef(PySequence_Fast_ITEMS(keys)[i]);
+        PyObject *cv = PyDict_GetItemWithError(pages, key);
+        Py_DECREF(key);
+        if (cv == NULL) {
+            if (PyErr_Occurred()) return NULL;
+            continue;
+        }
+        if (PyList_GET_SIZE(values) != nslots || PyList_GET_SIZE(sums) != nsums
+            || PyList_GET_SIZE(sampled) != ns)
+            goto changed;
+        PyObject **vals = PySequence_Fast_ITEMS(values), **sm = PySequence_Fast_ITEMS(sums);
+        long long code;
+        if (code_of(cv, nslots, &code) < 0) return NULL;
+        if (code < 0) {
+            PyErr_SetString(PyExc_ValueError, "a page off the stack");
+            return NULL;
+        }
+        double dist;
+        if (suffix(vals, sm, (Py_ssize_t)(code >> 1), clock, &dist) < 0) return NULL;
+        PyObject *pos = Py_NewRef(PyList_GET_ITEM(sampled, j));  // held over seen's lookup
+        PyObject *d = PyFloat_FromDouble(dist);
+        int rc = d == NULL ? -1 : PyDict_SetItem(seen, pos, d);
+        Py_XDECREF(d);
+        Py_ssize_t b = rc < 0 ? 0 : bisect_left(edges, dist);
+        if (rc < 0 || PyErr_Occurred()) {
+            Py_DECREF(pos);
+            return NULL;
+        }
+        if (b >= PyList_GET_SIZE(edges)) {  // past every size a curve reads: as untracked
+            Py_DECREF(pos);
+            continue;
+        }
+        if (i <= last) rc = PyList_Append(touched, pos);
+        Py_DECREF(pos);
+        if (rc < 0) return NULL;
+        if (bump(hist, b, hit) < 0 || count_kinds(kinds, NULL, b, weight) < 0) return NULL;
         if (thr != NULL && overlap_tallies(thr, top, c1, l2_hit, l2_kind, l1_thr, l1_total,
                                            kinds, dist, hit, weight) < 0)
             return NULL;
     }
+    if ((n_page && count_kinds(page_kinds, refs, -1, (double)n_page * w_page) < 0)
+        || (n_end && count_kinds(end_kinds, refs, -1, (double)n_end * w_end) < 0))
+        return NULL;
     Py_RETURN_NONE;
 changed:
     PyErr_SetString(PyExc_RuntimeError, "reference: the shadow's lists changed during the call");

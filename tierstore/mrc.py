@@ -3,9 +3,12 @@
 A SHARDS-sampled shadow (Waldspurger et al., FAST '15) of the store's eviction order: page keys
 (uniform hash outputs) whose first 32 bits fall under a threshold (rate ``R``) are kept in a
 byte-weighted LRU stack; a reference's stack distance is the bytes of sampled pages used since,
-divided by ``R``. When more than ``max_tracked`` pages are sampled the threshold halves and the
-pages above it leave (fixed-size SHARDS), so memory and per-request work stay bounded; every
-sample is weighted by ``1/R`` of its moment, which keeps the estimate unbiased across rate changes.
+divided by ``R``. No curve reads past its last size (4x every tier, by default), so a page
+deeper than that counts as untracked (a miss at every size) and is dropped (``mrc_stack.trim``;
+at 2k cached pages ~1.5k tracked instead of 16k pages and 16k ends). When still more than
+``max_tracked`` pages are sampled the threshold halves and the pages above it leave
+(fixed-size SHARDS), so memory and per-request work stay bounded; every sample is weighted by
+``1/R`` of its moment, which keeps the estimate unbiased across rate changes.
 
 The hybrid rule in the shadow: a prompt is served up to a *candidate end* (a page end where a
 checkpoint was inserted, for models with recurrent state; every page end otherwise), and a
@@ -19,7 +22,8 @@ L1 holds the most recent ``C1`` bytes: its curve is ``H(m * C1)``. L2 keeps a co
 promotes into L1, so an L2 of ``m*C2`` bytes serves what lies within ``C1 + m*C2 - D_m``,
 ``D_m`` the bytes of L1's pages it holds copies of at that size, measured per multiple
 (:mod:`tierstore.mrc_stack`). L3 is read as the next ``C3`` bytes past ``C1 + C2``. KV, SWA
-and state entries are counted apart too (the share of referenced entries a size would hold).
+and state entries are counted apart too (the share of the sampled entries referenced, first
+references included, that a size would hold).
 The per-event loops are compiled (``tierstore/_c_mrc.c``), with the same results.
 
 Events are queued and played :data:`BATCH` at a time (and before curves are read): in one pass
@@ -29,6 +33,7 @@ missed it (``bench ops``, qwen3-next at 2k pages: the shadow's ~44 us a request 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from itertools import islice
 from typing import TYPE_CHECKING, Any
@@ -84,9 +89,9 @@ class Shadow:
                  "_end_kinds", "_end_set", "_fl", "_hist", "_kind_hist", "_kind_refs", "_l1_reach",
                  "_l1_total", "_l2_hit", "_l2_kind", "_lo", "_num_ends", "_one", "_overlap",
                  "_page_kinds", "_page_limit", "_pages", "_pending", "_queue", "_reach", "_rotated",
-                 "_slots", "_tree", "_w_end", "_w_page", "_wb", "_win", "_young", "capacities",
-                 "edges", "end_bytes", "end_threshold", "kinds", "max_tracked", "multiples",
-                 "page_bytes", "page_size", "requests", "state", "threshold", "tokens",
+                 "_slots", "_tree", "_trim_at", "_w_end", "_w_page", "_wb", "_win", "_young",
+                 "capacities", "edges", "end_bytes", "end_threshold", "kinds", "max_tracked",
+                 "multiples", "page_bytes", "page_size", "requests", "state", "threshold", "tokens",
                  "unbounded_below", "write_through")
 
     def __init__(self, capacities: Mapping[str, int | None], units: Mapping[str, int],
@@ -140,7 +145,14 @@ class Shadow:
         self._pending: _Pending | None = None
         # Queued events: (a match?, keys, its tokens or the insert's checkpoint flag)
         self._queue: list[tuple[bool, Sequence[bytes], Any]] = []
+        # The curves read no distance past the last edge: a page deeper in the stack counts as
+        # untracked, and is dropped (mrc_stack.trim; tracked: at 2k cached pages ~1.5k entries
+        # instead of 16k pages + 16k ends). Not so above an unbounded tier: its total hit rate
+        # is every distance's (the last edge, infinite, keeps all).
         self.edges = self._edges()
+        if unbounded_below or not self.edges:
+            self.edges.append(math.inf)
+        self._trim_at = mrc_stack.TRIM_MIN
         self._hist = [0.0] * (len(self.edges) + 1)  # hit tokens by distance bin, weighted
         self._kind_hist = {k: [0.0] * (len(self.edges) + 1) for k in self.kinds}
         self._kind_refs = dict.fromkeys(self.kinds, 0.0)
@@ -223,6 +235,8 @@ class Shadow:
                 match(keys, arg)
             else:
                 insert(keys, arg)
+        if len(self._pages) > self._trim_at:
+            mrc_stack.trim(self)
 
     def _insert(self, keys: Sequence[bytes], checkpoint: bool) -> None:
         if not keys:
@@ -402,42 +416,13 @@ class Shadow:
         mrc_loops.touch(self, keys, ends, sampled, create)
 
     def _compact(self) -> None:
-        """Renumber the live slots 0..n-1 in recency order, at the current weights (slots ran
-        out, or a rate changed)."""
-        self._set_weights()
-        wb, pages = self._wb, self._pages
-        live = sorted((code, key) for key, code in pages.items() if code >= 0)  # slot order
-        values = [0.0] * self._slots
-        old, fl = self._fl, [0] * self._slots
-        for slot, (code, key) in enumerate(live):
-            pages[key] = slot << 1 | code & 1
-            values[slot] = wb[code & 1]
-            fl[slot] = old[code >> 1]
-        self._tree = _Slots(values)
-        self._fl = fl
-        self._clock = len(live)
-        mrc_stack.window(self)
-
-    def _reweigh(self) -> None:
-        """Rebuild the slots at the current weights, keeping every page's slot: a rate
-        changed (no sort and no renumbering, unlike :meth:`_compact`: a rate halves about
-        once per ``max_tracked / 2`` new sampled pages, and at 500k cached pages the compaction
-        it used to run cost ~55 ms, 30-70 us a request over a thousand)."""
-        self._set_weights()
-        wb = self._wb
-        values = [0.0] * self._slots
-        old, fl = self._fl, [0] * self._slots  # dropped pages' bits go with them
-        for code in self._pages.values():
-            if code >= 0:
-                values[code >> 1] = wb[code & 1]
-                fl[code >> 1] = old[code >> 1]
-        self._tree = _Slots(values)
-        self._fl = fl
-        mrc_stack.window(self)
+        """Renumber the live slots 0..n-1 in recency order (slots ran out)."""
+        mrc_stack.compact(self)
 
     def _lower_rate(self) -> None:
         """Halve a rate until at most ``max_tracked`` pages (and ends) are tracked
         (fixed-size SHARDS); the survivors weigh twice as much from now on."""
+        mrc_stack.trim(self)  # (pages past the curves' depth go first: often enough)
         while len(self._pages) - self._num_ends > self.max_tracked and self.threshold > 1:
             self.threshold //= 2
             limit = self._page_limit = _limit(self.threshold)
@@ -448,7 +433,7 @@ class Shadow:
             ethr = self.end_threshold
             self._drop([key for key, code in self._pages.items()
                         if code & 1 and not _end_sampled(key, ethr)])
-        self._reweigh()
+        mrc_stack.reweigh(self)
 
     def _drop(self, gone: list[bytes]) -> None:
         for key in gone:

@@ -91,42 +91,49 @@ def reference(s: Shadow, keys: Sequence[bytes], sampled: list[int], ends: list[i
               top: float, l1_thr: list[float] | None) -> None:
     """A match's reads (``Shadow._reference`` without the compiled twin): each tracked sampled
     page's distance goes into the histograms (and, with an L2, ``thr``/``top``/``l1_thr``
-    its tallies); ``touched`` and ``seen`` collect what the match's touch needs."""
+    its tallies); ``touched`` and ``seen`` collect what the match's touch needs. Every sampled
+    position counts in the kinds' references; a distance past the last edge reads as
+    untracked (``mrc_stack.trim`` drops such pages)."""
     pages, page = s._pages, s.page_size
     tree = s._tree
     clock = s._clock
     edges, hist = s.edges, s._hist
     w_page, w_end = s._w_page, s._w_end
-    refs = s._kind_refs
     c1 = s._c1
     overlap = s._overlap
+    beyond = len(edges)
+    n_page = n_end = 0
     for i in sampled:
-        code = pages.get(keys[i])
-        if code is None:
-            continue
-        dist = tree.suffix(code >> 1, clock)  # its bytes + newer
-        seen[i] = dist
-        if i <= last:
-            touched.append(i)
-        b = bisect.bisect_left(edges, dist)
         if ends is None:  # every page is a candidate: its own tokens hit at this size
             weight = w_page
             hit = page * weight
             kinds = s._page_kinds
+            n_page += 1
         else:
             k = bisect.bisect_left(ends, i)
             if k < len(ends) and ends[k] == i:  # a candidate: the tokens since the one
                 weight = w_end  # before it hit at this size
                 hit = (i + 1 - (ends[k - 1] + 1 if k else 0)) * page * weight
                 kinds = s._end_kinds
+                n_end += 1
             else:
                 weight = w_page
                 hit = 0.0
                 kinds = s._page_kinds
+                n_page += 1
+        code = pages.get(keys[i])
+        if code is None:
+            continue
+        dist = tree.suffix(code >> 1, clock)  # its bytes + newer
+        seen[i] = dist
+        b = bisect.bisect_left(edges, dist)
+        if b == beyond:
+            continue
+        if i <= last:
+            touched.append(i)
         hist[b] += hit
-        for h, kind in kinds:
+        for h, _ in kinds:
             h[b] += weight
-            refs[kind] += weight
         if overlap:
             if c1 < dist <= top:
                 l2_hit, l2_kind = s._l2_hit, s._l2_kind
@@ -139,6 +146,13 @@ def reference(s: Shadow, keys: Sequence[bytes], sampled: list[int], ends: list[i
                 for j, t in enumerate(l1_thr):
                     if dist <= t:
                         s._l1_total[j] += hit
+    refs = s._kind_refs
+    if n_page:
+        for _, kind in s._page_kinds:
+            refs[kind] += n_page * w_page
+    if n_end:
+        for _, kind in s._end_kinds:
+            refs[kind] += n_end * w_end
 
 
 def touch(s: Shadow, keys: Sequence[bytes], ends: list[int] | None, sampled: list[int],

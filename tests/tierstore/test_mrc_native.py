@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tierstore import mrc, mrc_loops
+from tierstore import mrc, mrc_loops, mrc_stack
 from tierstore.mrc import Shadow
 
 PAGE = 16
@@ -46,18 +46,21 @@ def pair(capacities: dict[str, int], units: dict[str, int], **kw: Any) -> tuple[
 
 @pytest.mark.parametrize("seed", [1, 2])
 @pytest.mark.parametrize(("capacities", "units", "kw"), [
-    ({"l1": 20_000}, UNITS, {"max_tracked": 16}),  # rates halve, ends rotate, slots compact
+    ({"l1": 20_000}, UNITS, {"max_tracked": 16}),  # pages past the curves' depth dropped
+    # every distance read (an unbounded tier below): rates halve, ends rotate, slots compact
+    ({"l1": 20_000}, UNITS, {"max_tracked": 16, "unbounded_below": True}),
     ({"l1": 20_000}, UNITS, {}),  # the serving default: pages from 1/16
     ({"l1": 20_000}, {"kv": 100, "swa": 50}, {"max_tracked": 64}),  # no state: every page ends
     ({"l1": 10_000, "l2": 20_000}, UNITS, {"max_tracked": 64}),  # L2: the overlap's loops
     ({"l1": 10_000, "l2": 20_000}, UNITS, {"rate": 1.0}),
     ({"l1": 10_000, "l2": 20_000}, UNITS, {"max_tracked": 64, "write_through": True}),
+    ({"l1": 10_000, "l2": 20_000}, UNITS, {"max_tracked": 64, "unbounded_below": True}),
 ])
 def test_compiled_loops_match_the_pure_ones_event_by_event(
         seed: int, capacities: dict[str, int], units: dict[str, int], kw: dict[str, Any]) -> None:
     rng = random.Random(seed)
     compiled, pure = pair(capacities, units, **kw)
-    for op, keys, n in workload(700, seed=seed):
+    for i, (op, keys, n) in enumerate(workload(700, seed=seed)):
         keys = keys if rng.random() < 0.8 else keys[:max(1, len(keys) - rng.randrange(3))]
         checkpoint = rng.random() < 0.9
         for s in (compiled, pure):
@@ -65,6 +68,8 @@ def test_compiled_loops_match_the_pure_ones_event_by_event(
                 s._reference(list(keys), n)
             else:
                 s._insert(list(keys), checkpoint)
+            if i % 37 == 0:  # (between the drains' trims, pages past the depth are read)
+                mrc_stack.trim(s)
         assert compiled._pages == pure._pages and compiled._clock == pure._clock
         assert compiled._tree.values == pure._tree.values
         assert compiled._tree.sums == pure._tree.sums
@@ -170,7 +175,8 @@ def test_end_generations_and_the_tracked_pages_invariant(pure: bool) -> None:
     after every insert it holds what two dicts aged as before would. And the invariant that
     lets a new end skip the page lookup: a page tracked as such sorts below the page limit,
     and until ends are first forgotten every tracked end is in the end set."""
-    s = Shadow({"l1": 20_000}, UNITS, PAGE, max_tracked=16)  # rates halve, ends rotate
+    s = Shadow({"l1": 20_000}, UNITS, PAGE, max_tracked=16,  # rates halve, ends rotate
+               unbounded_below=True)  # (no page dropped for its depth: every rate halves)
     s._c = None if pure else _c
     young: dict[bytes, None] = {}
     old: dict[bytes, None] = {}
@@ -190,7 +196,8 @@ def test_end_generations_and_the_tracked_pages_invariant(pure: bool) -> None:
     assert s._rotated and s.threshold < mrc.DEFAULT_RATE * mrc_loops.SPACE
 
 
-@pytest.mark.parametrize("kw", [{"max_tracked": 16}, {}])
+@pytest.mark.parametrize("kw", [{"max_tracked": 16}, {"max_tracked": 16, "unbounded_below": True},
+                                {}])
 def test_an_insert_of_the_match_pages_plays_as_the_pure_path(kw: dict[str, Any]) -> None:
     """The engine's usual step: a match, then an insert of the very same pages with a
     checkpoint at their end (a new end, or one already known), which reuses the match's scan
