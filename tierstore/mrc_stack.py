@@ -14,7 +14,10 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
+
+from tierstore.native import load
 
 # The functions here take a ``tierstore.mrc.Shadow`` (``s``), typed ``Any``: importing it, even
 # for typing only, would close an import circle (tests/test_imports.py).
@@ -22,6 +25,8 @@ Shadow = Any
 
 SHIFT = 8
 BLOCK = 1 << SHIFT
+# The depth bound's drop compiled (None: the pure loop, :func:`drop`; the same tables, tested).
+_C = load("tierstore._c_shadow")
 # Pages past the curves' depth are dropped (:func:`trim`) once this many are tracked, then
 # each time the tracked pages double: amortized O(1) a new page.
 TRIM_MIN = 1024
@@ -234,25 +239,41 @@ def trim(s: Shadow) -> None:
     bound = s.edges[-1]
     if bound == math.inf:
         return
-    tree, clock = s._tree, s._clock
+    tree, clock, c = s._tree, s._clock, s._c
     bound *= 1 + 1e-9  # (sums of non-integral weights may round: keep what is at the edge)
-    lo, hi = 0, clock  # the lowest slot within: distances fall as slots rise
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if tree.suffix(mid, clock) > bound:
-            lo = mid + 1
-        else:
-            hi = mid
-    cut = lo << 1
-    pages = s._pages
-    gone = [(key, code) for key, code in pages.items() if 0 <= code < cut]
-    values, sums, fl = tree.values, tree.sums, s._fl
-    for key, code in gone:
+    sums, b, acc = tree.sums, (clock - 1) >> SHIFT, 0.0
+    while b >= 0:  # whole blocks from the top (a slot's distance: the bytes at and past it)
+        acc += sums[b]
+        if acc > bound:
+            break
+        b -= 1
+    if b >= 0:  # the cut lies in block b (one either side: the sums' order of additions)
+        suffix = tree.suffix if c is None else partial(c.suffix_of, tree.values, sums)
+        lo, hi = max(0, (b - 1) << SHIFT), min(clock, (b + 2) << SHIFT)
+        while lo < hi:  # the lowest slot within: distances fall as slots rise
+            mid = (lo + hi) // 2
+            if suffix(mid, clock) > bound:
+                lo = mid + 1
+            else:
+                hi = mid
+        drop_below = drop if _C is None or c is None else _C.drop
+        s._num_ends -= drop_below(s._pages, tree.values, sums, s._fl, lo)
+    s._trim_at = max(2 * len(s._pages), TRIM_MIN)
+
+
+def drop(pages: dict[bytes, int], values: list[float], sums: list[float],
+         fl: list[int] | None, cut: int) -> int:
+    """Drop the tracked pages whose slot lies below ``cut`` (``_c_shadow.drop``'s twin): their
+    slot bytes zeroed, their block sums lowered, their L2 copy bits cleared. The checkpoint
+    ends among them."""
+    ends = 0
+    for key, code in [(key, code) for key, code in pages.items() if 0 <= code < cut << 1]:
         del pages[key]
         slot = code >> 1
         v = values[slot]
         values[slot] = 0.0
         sums[slot >> SHIFT] -= v
-        fl[slot] = 0
-        s._num_ends -= code & 1
-    s._trim_at = max(2 * len(pages), TRIM_MIN)
+        if fl is not None:
+            fl[slot] = 0
+        ends += code & 1
+    return ends

@@ -132,3 +132,54 @@ def test_a_match_past_the_depth_moves_nothing() -> None:
     assert old[-1] not in s._pages and old[0] not in s._pages
     refs = s._kind_refs["state"]
     assert refs > 0  # both matches counted their end as referenced (a miss at every size)
+
+
+_S: Any = load("tierstore._c_shadow")
+
+
+def _tables(seed: int) -> tuple[dict[bytes, int], list[float], list[float], list[int]]:
+    rng = random.Random(seed)
+    slots = rng.sample(range(3000), 900)
+    pages = {rng.randbytes(32): slot << 1 | (rng.random() < 0.4) for slot in slots}
+    pages[rng.randbytes(32)] = -2 | 1  # a page off the stack (mid-move): kept
+    tree = mrc_stack.Slots([0.0] * 4096)
+    for code in pages.values():
+        if code >= 0:
+            tree.add(code >> 1, rng.choice([100.0, 800.0, 1e-3]))
+    return pages, tree.values, tree.sums, [rng.randrange(8) for _ in range(4096)]
+
+
+@pytest.mark.skipif(_S is None, reason="tierstore._c_shadow not built or pure")
+@pytest.mark.parametrize("cut", [0, 1, 1500, 4096])
+def test_compiled_drop_matches_the_pure_one(cut: int) -> None:
+    a, b = _tables(cut), _tables(cut)
+    assert _S.drop(*a, cut) == mrc_stack.drop(*b, cut)
+    assert a == b
+    assert all(code < 0 or code >> 1 >= cut for code in a[0].values())
+
+
+@pytest.mark.skipif(_S is None, reason="tierstore._c_shadow not built or pure")
+def test_drop_refuses_bad_input_and_changes_nothing() -> None:
+    pages, values, sums, fl = _tables(7)
+    before = (dict(pages), list(values), list(sums), list(fl))
+    bad: list[tuple[Any, ...]] = [
+        ({**pages, "str": 2}, values, sums, fl, 3000),  # a key not bytes
+        ({**pages, b"k": 2.0}, values, sums, fl, 3000),  # a code not an int
+        ({**pages, b"k": 10_000 << 1}, values, sums, fl, 20_000),  # past the slots
+        (pages, values, sums[:-1], fl, 3000),  # sums of other slots
+        (pages, values, sums, fl[:10], 3000),  # copy bits too short
+        (pages, values, sums, fl, 3000.0),  # cut not an int
+        (list(pages.items()), values, sums, fl, 3000),
+        (pages, tuple(values), sums, fl, 3000),
+    ]
+    for args in bad:
+        with pytest.raises((TypeError, ValueError)):
+            _S.drop(*args)
+    values[next(c for c in pages.values() if c >= 0) >> 1] = 1  # a slot's bytes not a float
+    with pytest.raises(TypeError):
+        _S.drop(pages, values, sums, fl, 3000)
+    values[next(c for c in pages.values() if c >= 0) >> 1] = before[1][
+        next(c for c in pages.values() if c >= 0) >> 1]
+    with pytest.raises(TypeError):
+        _S.drop(pages, values, sums, fl, 3000, 1)
+    assert (pages, values, sums, fl) == before
