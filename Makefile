@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 NATIVE_STAMP := $(VENV)/.installed-native
-NATIVE_SOURCES := setup.py $(wildcard tierstore/_c_*.c gpu_arena/_c_*.c)
+NATIVE_SOURCES := setup.py $(wildcard tierstore/*.c tierstore/*.h gpu_arena/*.c gpu_arena/*.h)
 SGLANG_STAMP := $(VENV)/.installed-sglang
 VLLM_STAMP := $(VENV)/.installed-vllm
 
