@@ -30,6 +30,7 @@ static int end_bits_view(PyObject *o, Py_buffer *view, int writable) {
 // -> (ends, sampled, low), as Shadow._scan. end_set None: no state. known_n < 0: no known.
 // end_bits (None: none): the end prefilter of end_set, every key of it marked (mark_end).
 static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
     if (nargs != 8 && nargs != 9) {
         PyErr_SetString(PyExc_TypeError, "scan takes 8 or 9 arguments");
         return NULL;
@@ -270,6 +271,7 @@ static int overlap_tallies(PyObject *thr, double top, double c1, PyObject *l2_hi
 // histograms and the kinds' reference counts (every sampled position's, tracked or not). A
 // distance past the last edge is read as untracked (mrc_stack.trim drops such pages).
 static PyObject *reference(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
     if (nargs != 18 && nargs != 25) {
         PyErr_SetString(PyExc_TypeError, "reference takes 18 arguments (25 with an overlap)");
         return NULL;
@@ -412,6 +414,7 @@ changed:
 
 // suffix_of(values, sums, i, end): _Slots.suffix (for tests and the Python path's reads).
 static PyObject *suffix_of(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
     if (nargs != 4) {
         PyErr_SetString(PyExc_TypeError, "suffix_of takes 4 arguments");
         return NULL;
@@ -435,6 +438,7 @@ static PyObject *suffix_of(PyObject *self, PyObject *const *args, Py_ssize_t nar
 // prefilter (a bytearray of END_BYTES) was set before, which it is now (or the key is under 11
 // bytes: it has none, and scan always looks it up). As mrc_loops.mark_end.
 static PyObject *mark_end(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "mark_end takes 2 arguments");
         return NULL;

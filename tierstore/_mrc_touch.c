@@ -16,6 +16,7 @@
 // -> (clock, ends added), or None when the slots would run out on the way (the caller's
 // Python path compacts then). As Shadow._touch without an L2 overlap.
 PyObject *mrc_touch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
     if (nargs != 10) {
         PyErr_SetString(PyExc_TypeError, "touch takes 10 arguments");
         return NULL;
@@ -133,6 +134,7 @@ static int set_int(PyObject *list, Py_ssize_t i, long long v) {
 // Shadow._touch_overlap after its read of the distances (``seen`` holds every tracked
 // position outside L1's window).
 PyObject *mrc_touch_overlap(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
     if (nargs != 19) {
         PyErr_SetString(PyExc_TypeError, "touch_overlap takes 19 arguments");
         return NULL;
