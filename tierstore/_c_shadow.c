@@ -4,25 +4,7 @@
 // every tracked page, then a delete and two float writes each): at 2k cached pages ~3 us a
 // request of bench ops, more than the halvings it saves.
 //   drop(pages, values, sums, fl, cut) -> ends dropped
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-
-#define SHIFT 8  // slots per block: 2**SHIFT (mrc_stack.SHIFT)
-
-// list[i] = v (a new float), the old item an exact float (dropping another object could run
-// its __del__, which could change the lists).
-static int put_float(PyObject *list, Py_ssize_t i, double v) {
-    PyObject *old = PyList_GET_ITEM(list, i);
-    if (!PyFloat_CheckExact(old)) {
-        PyErr_SetString(PyExc_TypeError, "the slots and their sums must hold floats");
-        return -1;
-    }
-    PyObject *f = PyFloat_FromDouble(v);
-    if (f == NULL) return -1;
-    PyList_SET_ITEM(list, i, f);  // steals f
-    Py_DECREF(old);
-    return 0;
-}
+#include "_mrc.h"  // (SHIFT, set_float: the shadow's helpers, static inline)
 
 // The pages to drop (0 <= code < cut << 1), each (key, code), checked before any change: keys
 // exact bytes (no Python __hash__ / __eq__ runs while deleting), codes exact ints whose slot
@@ -101,7 +83,7 @@ static PyObject *drop(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         double v = PyFloat_AS_DOUBLE(PyList_GET_ITEM(values, slot));
         double s = PyFloat_AS_DOUBLE(PyList_GET_ITEM(sums, slot >> SHIFT));
         if (PyDict_DelItem(pages, PyTuple_GET_ITEM(pair, 0)) < 0
-            || put_float(values, slot, 0.0) < 0 || put_float(sums, slot >> SHIFT, s - v) < 0)
+            || set_float(values, slot, 0.0) < 0 || set_float(sums, slot >> SHIFT, s - v) < 0)
             goto fail;
         if (fl != Py_None) {
             if (zero == NULL && (zero = PyLong_FromLong(0)) == NULL) goto fail;

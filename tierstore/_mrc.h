@@ -1,7 +1,8 @@
-// The shadow's compiled loops, shared: key tests, plain numbers and the slot tree's
-// reads and writes (tierstore/_c_mrc.c, the reads; tierstore/_mrc_touch.c, the stack's
-// moves). One extension (setup.py builds _c_mrc.c with the sources it names); every
-// helper is static inline, so each file has its own copy and no symbol leaves the module.
+// The shadow's compiled loops, shared: key tests, plain numbers and the slot tree's reads and
+// writes. Used by the _c_mrc extension (tierstore/_c_mrc.c, the reads; tierstore/_mrc_touch.c,
+// the stack's moves, built into it: setup.py compiles the files its "sources" line names) and
+// by _c_shadow (the depth bound's drop). Every helper is static inline, so each file has its
+// own copy and no symbol leaves a module.
 #ifndef TIERSTORE_MRC_H
 #define TIERSTORE_MRC_H
 
