@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import torch
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 # Plain ints for the hot paths (an enum member read costs ~0.2-0.5 us)
 _L1, _DISK = int(Tier.L1), int(Tier.DISK)
+_T = TypeVar("_T")  # what a fit test answers (Mover._evict_until)
 
 
 class Mover:
@@ -72,20 +73,13 @@ class Mover:
     def make_room(self, demand: Mapping[str, int]) -> bool:
         """Evict (demote) unlocked L1 leaves until ``demand`` fits, per the stopping rule."""
         arena = self.arena
-        can_alloc = arena.can_alloc
-        if can_alloc(demand):
-            return True
-        peek = self._l1_queue.peek  # (index.next_victim(L1), without its call)
         if self.config.stop_rule == "unified":  # StopCondition's unified rule, without it
-            while (leaf := peek()) is not None:
-                self.evict_l1(leaf)
-                assert not leaf.holds(_L1), "an evicted node still holds L1 blocks"
-                if can_alloc(demand):
-                    return True
-            return can_alloc(demand)  # (a fence may have retired since)
+            return self._evict_until(self._fits, demand) is not None
+        if arena.can_alloc(demand):
+            return True
         stop = StopCondition(self.config.stop_rule, demand, lambda: arena.can_alloc(demand),
                              arena.max_alloc)
-        while (leaf := peek()) is not None:
+        while (leaf := self._l1_queue.peek()) is not None:
             stop.freed(self.evict_l1(leaf))
             assert not leaf.holds(Tier.L1), "an evicted node still holds L1 blocks"
             if stop.satisfied():
@@ -98,20 +92,28 @@ class Mover:
         step (:meth:`~gpu_arena.Arena.try_alloc`: the packed ids per kind); an empty dict when
         room was made otherwise (the caller allocates), None when there is none. The same
         evictions as :meth:`make_room`."""
-        try_alloc = self.arena.try_alloc
-        got = try_alloc(demand)
+        if self.config.stop_rule == "unified":
+            return self._evict_until(self.arena.try_alloc, demand)
+        got = self.arena.try_alloc(demand)  # StopCondition's loop: the caller allocates
         if got is not None:
             return got
-        if self.config.stop_rule != "unified":  # StopCondition's loop: the caller allocates
-            return {} if self.make_room(demand) else None
-        peek = self._l1_queue.peek  # (make_room's unified loop, checking through try_alloc)
-        while (leaf := peek()) is not None:
+        return {} if self.make_room(demand) else None
+
+    def _fits(self, demand: Mapping[str, int]) -> bool | None:
+        """:meth:`~gpu_arena.Arena.can_alloc` as :meth:`_evict_until` reads it (None: no)."""
+        return True if self.arena.can_alloc(demand) else None
+
+    def _evict_until(self, fit: Callable[[Mapping[str, int]], _T | None],
+                     demand: Mapping[str, int]) -> _T | None:
+        """The unified stopping rule: evict the next unlocked L1 leaf until ``fit(demand)`` is
+        not None (asked before the first and after each eviction); that answer, or None."""
+        got = fit(demand)
+        peek = self._l1_queue.peek  # (index.next_victim(L1), without its call)
+        while got is None and (leaf := peek()) is not None:
             self.evict_l1(leaf)
             assert not leaf.holds(_L1), "an evicted node still holds L1 blocks"
-            got = try_alloc(demand)
-            if got is not None:
-                return got
-        return try_alloc(demand)  # (a fence may have retired since)
+            got = fit(demand)
+        return got if got is not None else fit(demand)  # (a fence may have retired since)
 
     def evict_l1(self, node: Node) -> dict[str, int]:
         """Demote ``node``'s L1 data (to L2, else L3), free it; blocks freed per kind."""
