@@ -6,7 +6,8 @@
 //   drop(pages, values, sums, fl, cut) -> ends dropped
 #include "_mrc.h"  // (SHIFT, set_float: the shadow's helpers, static inline)
 
-// The pages to drop (0 <= code < cut << 1), each (key, code), checked before any change: keys
+// The pages to drop (0 <= code < cut << 1), each (code, key) in slot order (the order the block
+// sums are lowered in, as the pure loop and tierstore/_play_stack.c do), checked first: keys
 // exact bytes (no Python __hash__ / __eq__ runs while deleting), codes exact ints whose slot
 // lies in the slots, their slot bytes exact floats, their copy bits exact ints.
 static PyObject *doomed(PyObject *pages, Py_ssize_t cut, Py_ssize_t nslots, PyObject *values,
@@ -34,12 +35,13 @@ static PyObject *doomed(PyObject *pages, Py_ssize_t cut, Py_ssize_t nslots, PyOb
             PyErr_SetString(PyExc_TypeError, "slot bytes must be floats, copy bits ints");
             goto fail;
         }
-        PyObject *pair = PyTuple_Pack(2, key, value);
+        PyObject *pair = PyTuple_Pack(2, value, key);
         if (pair == NULL) goto fail;
         int rc = PyList_Append(out, pair);
         Py_DECREF(pair);
         if (rc < 0) goto fail;
     }
+    if (PyList_Sort(out) < 0) goto fail;  // (exact ints first, all different: no Python runs)
     return out;
 fail:
     Py_DECREF(out);
@@ -78,11 +80,11 @@ static PyObject *drop(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     PyObject *zero = NULL;
     for (Py_ssize_t j = 0; j < PyList_GET_SIZE(gone); j++) {
         PyObject *pair = PyList_GET_ITEM(gone, j);
-        long long code = PyLong_AsLongLong(PyTuple_GET_ITEM(pair, 1));
+        long long code = PyLong_AsLongLong(PyTuple_GET_ITEM(pair, 0));
         Py_ssize_t slot = (Py_ssize_t)(code >> 1);
         double v = PyFloat_AS_DOUBLE(PyList_GET_ITEM(values, slot));
         double s = PyFloat_AS_DOUBLE(PyList_GET_ITEM(sums, slot >> SHIFT));
-        if (PyDict_DelItem(pages, PyTuple_GET_ITEM(pair, 0)) < 0
+        if (PyDict_DelItem(pages, PyTuple_GET_ITEM(pair, 1)) < 0
             || set_float(values, slot, 0.0) < 0 || set_float(sums, slot >> SHIFT, s - v) < 0)
             goto fail;
         if (fl != Py_None) {

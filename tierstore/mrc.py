@@ -52,6 +52,11 @@ if TYPE_CHECKING:
 # the pure-Python loops (:mod:`tierstore.mrc_loops`), the same curves to the bit (tested).
 _C = load("tierstore._c_mrc")
 _mark_end = _C.mark_end if _C is not None else mrc_loops.mark_end  # (mrc_loops.END_BITS)
+# The whole shadow in C (tierstore/_c_play.c): its tables and its event loop, for a shadow with
+# no L1/L2 overlap to keep; None: the Python event loop above. The same curves to the bit
+# (tests/tierstore/test_mrc_play.py).
+_P = load("tierstore._c_play")
+_KINDS = ("kv", "swa", "state")
 
 MULTIPLES = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0)
 # A page is sampled when its key sorts below the threshold's 4 bytes (``mrc_loops.SPACE``),
@@ -85,14 +90,14 @@ class Shadow:
     # Slots: past 30 attributes CPython 3.11 stops sharing an instance dict's
     # keys, and every ``self.x`` on the event path became a dict lookup (~70 ns each). A
     # ``__dict__`` stays, for what a caller adds (``bench ops`` wraps the hooks to time them).
-    __slots__ = ("__dict__", "_bits", "_c", "_c1", "_c2", "_carry", "_clock", "_d", "_end_bits",
-                 "_end_kinds", "_end_set", "_fl", "_hist", "_kind_hist", "_kind_refs", "_l1_reach",
-                 "_l1_total", "_l2_hit", "_l2_kind", "_lo", "_num_ends", "_one", "_overlap",
-                 "_page_kinds", "_page_limit", "_pages", "_pending", "_queue", "_reach", "_rotated",
-                 "_slots", "_tree", "_trim_at", "_w_end", "_w_page", "_wb", "_win", "_young",
-                 "capacities", "edges", "end_bytes", "end_threshold", "kinds", "max_tracked",
-                 "multiples", "page_bytes", "page_size", "requests", "state", "threshold", "tokens",
-                 "unbounded_below", "write_through")
+    __slots__ = ("__dict__", "_bits", "_c", "_c1", "_c2", "_carry", "_clock", "_core", "_d",
+                 "_end_bits", "_end_kinds", "_end_set", "_fl", "_hist", "_kind_hist", "_kind_refs",
+                 "_l1_reach", "_l1_total", "_l2_hit", "_l2_kind", "_lo", "_num_ends", "_one",
+                 "_overlap", "_page_kinds", "_page_limit", "_pages", "_pending", "_queue",
+                 "_reach", "_rotated", "_slots", "_tree", "_trim_at", "_w_end", "_w_page", "_wb",
+                 "_win", "_young", "capacities", "edges", "end_bytes", "end_threshold", "kinds",
+                 "max_tracked", "multiples", "page_bytes", "page_size", "requests", "state",
+                 "threshold", "tokens", "unbounded_below", "write_through")
 
     def __init__(self, capacities: Mapping[str, int | None], units: Mapping[str, int],
                  page_size: int, *, swa_window_pages: int = 0, swa_window_only: bool = False,
@@ -187,17 +192,24 @@ class Shadow:
         self._l1_reach = [(m * self._c1 + below, min(m, 1.0)) for m in self.multiples]
         # a page that becomes a checkpoint end is tracked anew: the copy bits it had
         self._carry: dict[bytes, int] = {}
+        # Without the overlap the whole state and event loop can live in C: no Python object
+        # per event or per tracked page (in bench ops' loop the Python one cost ~10 points of
+        # a request, mostly the objects it made and the memory it walked).
+        self._core: Any = None if _P is None or self._overlap else _P.Core(
+            self.state, page_size, self.page_bytes, self.end_bytes, self.threshold,
+            self.end_threshold, max_tracked, self._slots, self.edges,
+            tuple(k in units for k in _KINDS))
 
     # ------------------------------------------------------------------ events
     @property
     def rate(self) -> float:
         """The sampling rate of ordinary pages."""
-        return self.threshold / _SPACE
+        return (self.threshold if self._core is None else self._core.tallies()[5]) / _SPACE
 
     @property
     def end_rate(self) -> float:
         """The sampling rate of candidate ends."""
-        return self.end_threshold / _SPACE
+        return (self.end_threshold if self._core is None else self._core.tallies()[6]) / _SPACE
 
     def _weight(self, is_end: bool) -> float:
         return _SPACE / (self.end_threshold if is_end else self.threshold)
@@ -229,6 +241,12 @@ class Shadow:
     def drain(self) -> None:
         """Play the queued events, in order."""
         queue, self._queue = self._queue, []
+        if self._core is not None:
+            try:
+                self._core.play(queue)
+                return
+            except ValueError:  # (refused whole: keys not bytes of 8 to 32, or not a list)
+                self._take_back()
         match, insert = self._reference, self._insert  # (no bound method made per event)
         for is_match, keys, arg in queue:
             if is_match:
@@ -237,6 +255,49 @@ class Shadow:
                 insert(keys, arg)
         if len(self._pages) > self._trim_at:
             mrc_stack.trim(self)
+
+    def _take_back(self) -> None:
+        """Play in Python from here on: the compiled core's state becomes this shadow's."""
+        state, self._core = self._core.export(), None
+        self._pages = state["pages"]
+        self._tree = _Slots.__new__(_Slots)
+        self._tree.values, self._tree.sums = state["values"], state["sums"]
+        self._clock, self._num_ends = state["clock"], state["num_ends"]
+        self._end_set = dict.fromkeys(state["old"] + state["young"])
+        self._young, self._rotated = state["young_n"], bool(state["rotated"])
+        if self.state:
+            self._end_bits = mrc_loops.end_bits(self._end_set, _mark_end)
+        self.threshold, self.end_threshold = state["threshold"], state["end_threshold"]
+        self._page_limit = _limit(self.threshold)
+        self._set_weights()
+        self._trim_at = state["trim_at"]
+        self._tallies(state["hist"], state["kind_hist"], state["refs"], state["tokens"],
+                      state["requests"])
+        pending = state["pending"]
+        if pending is not None:  # (its touch reads only the touched positions of its keys)
+            n, last, ends, low, threshold, touched, at = pending
+            keys: list[bytes] = [b""] * n
+            for i, key in zip(at, touched, strict=True):
+                keys[i] = key
+            self._pending = (n, last, keys, ends, at, low, _limit(threshold), None)
+
+    def _tallies(self, hist: list[float], kind_hist: list[list[float] | None],
+                 refs: list[float], tokens: int, requests: int) -> None:
+        """Take the compiled core's tallies (in place: the kinds' pairs hold the lists)."""
+        self._hist[:] = hist
+        for kind, h, r in zip(_KINDS, kind_hist, refs, strict=True):
+            if kind in self._kind_refs:
+                assert h is not None
+                self._kind_hist[kind][:] = h
+                self._kind_refs[kind] = r
+        self.tokens, self.requests = tokens, requests
+
+    def tracked(self) -> tuple[int, int]:
+        """The pages and the candidate ends tracked now."""
+        if self._core is not None:
+            _, _, _, _, _, _, _, pages, ends = self._core.tallies()
+            return pages, ends
+        return len(self._pages) - self._num_ends, self._num_ends
 
     def _insert(self, keys: Sequence[bytes], checkpoint: bool) -> None:
         if not keys:
@@ -449,6 +510,10 @@ class Shadow:
         the tiers below kept as they are), and per kind the share of referenced entries it
         would hold. Plus the sampling state."""
         self.drain()
+        if self._core is not None:
+            hist, kind_hist, refs, tokens, requests, thr, ethr, _, ends = self._core.tallies()
+            self._tallies(hist, kind_hist, refs, tokens, requests)
+            self.threshold, self.end_threshold, self._num_ends = thr, ethr, ends
         return mrc_curves.read(self)
 
 

@@ -72,8 +72,9 @@ def read(s: Shadow) -> dict[str, object]:
         out[tier] = {"capacity_bytes": cap, "hit_rate": hit, "total_hit_rate": total,
                      "entries": kinds}
         above += cap
+    pages, ends = s.tracked()
     return {"multiples": list(s.multiples), "tiers": out,
             "sampling": {"rate": s.rate, "end_rate": s.end_rate,
-                         "tracked_pages": len(s._pages) - s._num_ends,
-                         "tracked_ends": s._num_ends, "max_tracked": s.max_tracked,
+                         "tracked_pages": pages, "tracked_ends": ends,
+                         "max_tracked": s.max_tracked,
                          "requests": s.requests, "tokens": s.tokens}}

@@ -264,10 +264,10 @@ def trim(s: Shadow) -> None:
 def drop(pages: dict[bytes, int], values: list[float], sums: list[float],
          fl: list[int] | None, cut: int) -> int:
     """Drop the tracked pages whose slot lies below ``cut`` (``_c_shadow.drop``'s twin): their
-    slot bytes zeroed, their block sums lowered, their L2 copy bits cleared. The checkpoint
-    ends among them."""
-    ends = 0
-    for key, code in [(key, code) for key, code in pages.items() if 0 <= code < cut << 1]:
+    slot bytes zeroed, their block sums lowered (in slot order), their L2 copy bits cleared. The
+    checkpoint ends among them."""
+    ends = 0  # (in slot order: the block sums' subtractions as the compiled core makes them)
+    for code, key in sorted((code, key) for key, code in pages.items() if 0 <= code < cut << 1):
         del pages[key]
         slot = code >> 1
         v = values[slot]

@@ -41,6 +41,7 @@ def workload(n: int, seed: int) -> list[tuple[str, list[bytes], int]]:
 def pair(capacities: dict[str, int], units: dict[str, int], **kw: Any) -> tuple[Shadow, Shadow]:
     compiled, pure = Shadow(capacities, units, PAGE, **kw), Shadow(capacities, units, PAGE, **kw)
     compiled._c, pure._c = _c, None
+    compiled._core = pure._core = None  # (these loops, not the whole shadow in C)
     return compiled, pure
 
 
@@ -178,6 +179,7 @@ def test_end_generations_and_the_tracked_pages_invariant(pure: bool) -> None:
     s = Shadow({"l1": 20_000}, UNITS, PAGE, max_tracked=16,  # rates halve, ends rotate
                unbounded_below=True)  # (no page dropped for its depth: every rate halves)
     s._c = None if pure else _c
+    s._core = None  # (the Python tables, read after every event)
     young: dict[bytes, None] = {}
     old: dict[bytes, None] = {}
     for op, keys, n in workload(600, seed=8):

@@ -18,7 +18,12 @@ from tierstore.native import load
 PAGE = 16
 UNITS = {"kv": 100, "state": 700}
 _C = load("tierstore._c_mrc")
-PATHS = [pytest.param(True, id="pure")] + ([pytest.param(False, id="compiled")] if _C else [])
+_P = load("tierstore._c_play")
+# pure Python; the compiled loops (tierstore/_c_mrc.c) over the Python tables; the whole shadow in
+# C (tierstore/_c_play.c: without an L2, else the compiled loops), its state taken back to read
+PATHS = [pytest.param("pure", id="pure")] \
+    + ([pytest.param("compiled", id="compiled")] if _C else []) \
+    + ([pytest.param("core", id="core")] if _P else [])
 
 
 def workload(n: int, seed: int, match_only: float = 0.0) -> list[tuple[str, list[bytes], int]]:
@@ -50,28 +55,39 @@ def play(shadow: Shadow, ops: list[tuple[str, list[bytes], int]], trim_every: in
             shadow.insert(keys, True)
         if trim_every and i % trim_every == 0:
             shadow.drain()
-            mrc_stack.trim(shadow)
+            trim(shadow)
     shadow.drain()
+    if shadow._core is not None:  # (its tables read as the Python loop's from here on)
+        shadow._take_back()
 
 
-def shadow(capacities: dict[str, int], pure: bool, **kw: Any) -> Shadow:
+def trim(s: Shadow) -> None:
+    if s._core is not None:
+        s._core.trim()
+    else:
+        mrc_stack.trim(s)
+
+
+def shadow(capacities: dict[str, int], path: str, **kw: Any) -> Shadow:
     s = Shadow(capacities, UNITS, PAGE, max_tracked=1 << 20, **kw)  # no rate halves
-    if pure:
+    if path != "core":
+        s._core = None
+    if path == "pure":
         s._c = None
     return s
 
 
-@pytest.mark.parametrize("pure", PATHS)
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("capacities", [{"l1": 3_000}, {"l1": 2_000, "l2": 4_000}])
 @pytest.mark.parametrize("rate", [1.0, 1 / 4])
 def test_dropping_pages_past_the_depth_changes_no_tally(
-        pure: bool, capacities: dict[str, int], rate: float) -> None:
+        path: str, capacities: dict[str, int], rate: float) -> None:
     """Every tally a curve reads (hit tokens and entries per distance up to the last edge,
     references, L2's hits per multiple and its copies of L1) equals the unbounded twin's, on
     the engine's steps (a match, then an insert of the prompt)."""
     ops = workload(1200, seed=3)
-    bounded = shadow(capacities, pure, rate=rate)
-    kept = shadow(capacities, pure, rate=rate, unbounded_below=True)
+    bounded = shadow(capacities, path, rate=rate)
+    kept = shadow(capacities, path, rate=rate, unbounded_below=True)
     assert bounded.edges == kept.edges[:-1]  # (the last edge of the unbounded one: infinite)
     play(bounded, ops)
     play(kept, ops)
@@ -93,15 +109,15 @@ def test_dropping_pages_past_the_depth_changes_no_tally(
         assert tree.suffix(code >> 1, clock) <= bounded.edges[-1]
 
 
-@pytest.mark.parametrize("pure", PATHS)
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("capacities", [{"l1": 3_000}, {"l1": 2_000, "l2": 4_000}])
-def test_when_pages_are_dropped_changes_no_curve(pure: bool, capacities: dict[str, int]) -> None:
+def test_when_pages_are_dropped_changes_no_curve(path: str, capacities: dict[str, int]) -> None:
     """A page past the depth reads as untracked whether it is dropped yet or not (a match
     does not move it: no cache of a size the curves read holds it), so dropping after every
     event or only when the tracked pages double gives the same stack and curves, matches
     without their insert included."""
     ops = workload(1200, seed=5, match_only=0.3)
-    eager, lazy = shadow(capacities, pure), shadow(capacities, pure)
+    eager, lazy = shadow(capacities, path), shadow(capacities, path)
     play(eager, ops, trim_every=1)
     play(lazy, ops)
     mrc_stack.trim(lazy)
@@ -117,6 +133,7 @@ def test_a_match_past_the_depth_moves_nothing() -> None:
     """A match of a page deeper than every size leaves it where it is (and dropped by the
     next trim); the same match within the depth moves it to the top."""
     s = Shadow({"l1": 1_000}, UNITS, PAGE, rate=1.0)
+    s._core = None  # (the Python tables, read between events; the core plays as they do)
     old = [hashlib.sha256(b"old%d" % i).digest() for i in range(2)]
     s.insert(old, True)
     for i in range(60):  # 60 other prompts of 2 pages push it past 4 x 1,000 bytes

@@ -1,0 +1,204 @@
+"""The shadow played whole in C (tierstore/_c_play.c's Core) beside the pure-Python Shadow: the
+same tables, the same pending match and the same curves to the bit, drain by drain, over random
+workloads; refused input changes nothing, and a queue the core does not take hands its state
+back to the Python loop, which goes on as the pure twin does."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from typing import Any
+
+import pytest
+
+from tierstore import mrc, mrc_stack
+from tierstore.mrc import Shadow
+
+PAGE = 16
+UNITS = {"kv": 100, "state": 700}
+
+_p: Any = pytest.importorskip("tierstore._c_play")  # built by setup.py; imported even when pure
+
+
+@pytest.fixture(autouse=True)
+def _core(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shadows made here get the core even where the package runs pure Python."""
+    monkeypatch.setattr(mrc, "_P", _p)
+
+
+def workload(n: int, seed: int) -> list[tuple[str, list[bytes], int]]:
+    """Matches and inserts of chained page keys: shared system prompts, conversations that grow
+    (zipf-ish reuse) and start over, some matches with no insert after them and some inserts of
+    other prompts, and empty prompts."""
+    rng = random.Random(seed)
+    convs: list[list[bytes]] = []
+    ops: list[tuple[str, list[bytes], int]] = []
+    for _ in range(n):
+        if not convs or rng.random() < 0.3:
+            system = hashlib.sha256(bytes([rng.randrange(4)])).digest()
+            convs.append([system, hashlib.sha256(system).digest()])
+        c = convs[min(int(rng.paretovariate(1.2)) - 1, len(convs) - 1)]
+        if len(c) > 40:
+            del c[2:]
+        for _ in range(rng.randrange(1, 4)):
+            c.append(hashlib.sha256(c[-1] + rng.randbytes(8)).digest())
+        r = rng.random()
+        if r < 0.85:
+            ops.append(("match", c[:-1], (len(c) - 1) * PAGE + rng.randrange(PAGE)))
+        if r < 0.02:
+            ops.append(("match", [], rng.randrange(PAGE)))
+        if r > 0.1:
+            other = convs[rng.randrange(len(convs))] if rng.random() < 0.1 else c
+            ops.append(("insert", list(other[:len(other) - rng.randrange(2)]), 0))
+    return ops
+
+
+def twins(capacities: dict[str, int], units: dict[str, int], **kw: Any) -> tuple[Shadow, Shadow]:
+    core, pure = Shadow(capacities, units, PAGE, **kw), Shadow(capacities, units, PAGE, **kw)
+    assert core._core is not None
+    pure._c, pure._core = None, None
+    return core, pure
+
+
+def assert_same_state(core: Shadow, pure: Shadow) -> None:
+    got = core._core.export()
+    assert got["pages"] == pure._pages
+    assert got["clock"] == pure._clock and got["num_ends"] == pure._num_ends
+    assert got["values"] == pure._tree.values and got["sums"] == pure._tree.sums
+    assert set(got["old"]) | set(got["young"]) == set(pure._end_set)
+    young = list(pure._end_set)[len(pure._end_set) - pure._young:]
+    assert set(got["young"]) == set(young) and got["young_n"] == pure._young
+    assert bool(got["rotated"]) == pure._rotated
+    assert (got["threshold"], got["end_threshold"]) == (pure.threshold, pure.end_threshold)
+    assert got["trim_at"] == pure._trim_at
+    assert got["hist"] == pure._hist
+    for kind, h, r in zip(("kv", "swa", "state"), got["kind_hist"], got["refs"], strict=True):
+        assert h == pure._kind_hist.get(kind) and r == pure._kind_refs.get(kind, 0.0)
+    assert (got["tokens"], got["requests"]) == (pure.tokens, pure.requests)
+    p = pure._pending
+    if p is None:
+        assert got["pending"] is None
+    else:
+        n, last, ends, low, threshold, touched, at = got["pending"]
+        assert (n, last, ends, low, at) == (p[0], p[1], p[3], p[5], p[4])
+        assert touched == [p[2][i] for i in p[4]]
+        assert threshold == (int.from_bytes(p[6], "big") if len(p[6]) == 4 else 1 << 32)
+
+
+CONFIGS = [
+    ({"l1": 20_000}, UNITS, {"max_tracked": 16}),  # pages past the curves' depth dropped
+    # every distance read (an unbounded tier below): rates halve, ends rotate, slots compact
+    ({"l1": 20_000}, UNITS, {"max_tracked": 16, "unbounded_below": True}),
+    ({"l1": 20_000}, UNITS, {}),  # the serving default: pages from 1/16
+    ({"l1": 20_000}, UNITS, {"rate": 1.0, "max_tracked": 64}),
+    ({"l1": 20_000}, {"kv": 100, "swa": 50}, {"max_tracked": 64}),  # no state: every page ends
+    ({"l1": 20_000}, {"kv": 100, "swa": 50, "state": 300}, {"max_tracked": 32}),
+    ({"l1": 8_000, "l3": 30_000}, UNITS, {"max_tracked": 32}),  # an L3 curve, no L2
+    ({"l1": 5_000}, {"kv": 100, "swa": 50, "state": 300},
+     {"swa_window_pages": 4, "swa_window_only": True, "max_tracked": 32}),
+]
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize(("capacities", "units", "kw"), CONFIGS)
+def test_the_core_plays_as_the_pure_shadow_drain_by_drain(
+        seed: int, capacities: dict[str, int], units: dict[str, int], kw: dict[str, Any]) -> None:
+    rng = random.Random(seed)
+    core, pure = twins(capacities, units, **kw)
+    for i, (op, keys, n) in enumerate(workload(900, seed=seed)):
+        checkpoint = rng.random() < 0.9
+        for s in (core, pure):
+            if op == "match":
+                s.reference(list(keys), n)
+            else:
+                s.insert(list(keys), checkpoint)
+        if rng.random() < 0.3:  # (drains between the queue's own: every spacing)
+            core.drain()
+            pure.drain()
+            assert_same_state(core, pure)
+        if i % 97 == 0:
+            core._core.trim()
+            mrc_stack.trim(pure)
+    assert core.curves() == pure.curves()
+    assert_same_state(core, pure)
+    assert core.rate == pure.rate and core.end_rate == pure.end_rate
+    assert core.tracked() == pure.tracked()
+
+
+def test_the_serving_default_over_a_long_stream() -> None:
+    """The default shadow (pages from 1/16, 16k tracked) over enough events that slots compact
+    and the depth bound drops pages, the engine's way: a match, then its insert."""
+    core, pure = twins({"l1": 3_000}, UNITS)
+    ops = workload(6000, seed=11)
+    for op, keys, n in ops:
+        for s in (core, pure):
+            if op == "match":
+                s.reference(keys, n)
+            else:
+                s.insert(keys, True)
+    assert core.curves() == pure.curves()
+    assert_same_state(core, pure)
+
+
+@pytest.mark.parametrize("its_insert_first", [False, True])
+def test_a_queue_the_core_refuses_hands_its_state_back(its_insert_first: bool) -> None:
+    """Keys the core does not take (shorter than 8 bytes, a tuple) mid-stream: the shadow plays
+    on in Python, with the state the core had (a match pending: its touch, or its scan reused by
+    its insert), exactly as the pure twin does."""
+    core, pure = twins({"l1": 20_000}, UNITS, max_tracked=32)
+    ops = workload(500, seed=4)
+    at = next(j for j, op in enumerate(ops) if j > 250 and op[0] == "match")
+    for j, (op, keys, n) in enumerate(ops):
+        for s in (core, pure):
+            if op == "match":
+                s.reference(list(keys), n)
+            else:
+                s.insert(list(keys), True)
+        if j == at:  # a match pending in the core when it hands over
+            core.drain()
+            pure.drain()
+            assert core._core is not None and core._core.export()["pending"] is not None
+            for s in (core, pure):
+                if its_insert_first:
+                    s.insert(list(keys), True)
+                s.reference([b"short"], 5)
+                s.insert((b"tuple-key-0123456",), True)
+    assert core.curves() == pure.curves()
+    assert core._core is None
+    assert core._pages == pure._pages and core._tree.values == pure._tree.values
+
+
+def test_refused_input_changes_nothing() -> None:
+    core, _ = twins({"l1": 20_000}, UNITS, max_tracked=32)
+    for op, keys, n in workload(80, seed=5):
+        if op == "match":
+            core.reference(list(keys), n)
+        else:
+            core.insert(list(keys), True)
+    core.drain()
+    c = core._core
+    before = c.export()
+    good = [b"k" * 32]
+    for queue in ["no list", [(True, good)], [(1, good, 5)], [(True, tuple(good), 5)],
+                  [(True, good, 5.0)], [(True, good, 5), (False, [b"x" * 33], True)],
+                  [(False, good, True), (True, [good[0], "str"], 3)],
+                  [(True, good, 1 << 70)]]:
+        with pytest.raises(ValueError):
+            c.play(queue)
+        assert c.export() == before
+    edges = [1.0, 2.0, math.inf]
+    for args in [(True, 16, 100, 700, 0, 1, 16, 64, edges, (True, False, True)),
+                 (True, 16, 100, 700, 1 << 33, 1, 16, 64, edges, (True, False, True)),
+                 (True, 16, 100, 700, 1, 1, 0, 64, edges, (True, False, True)),
+                 (True, 16, 100, 700, 1, 1, 16, 64, [], (True, False, True)),
+                 (True, 16, 100, 700, 1, 1, 16, 64, [2.0, 1.0], (True, False, True)),
+                 (True, 16, 100, 700, 1, 1, 16, 64, ["1"], (True, False, True)),
+                 (True, 16, 100, 700, 1, 1, 16, 64, edges, (True, False))]:
+        with pytest.raises((TypeError, ValueError)):
+            _p.Core(*args)
+
+
+def test_a_shadow_with_an_l2_overlap_keeps_the_python_loop() -> None:
+    assert Shadow({"l1": 1_000, "l2": 2_000}, UNITS, PAGE)._core is None
+    assert Shadow({"l1": 1_000}, UNITS, PAGE)._core is not None

@@ -1,0 +1,338 @@
+// The miss-ratio shadow played whole in C: tierstore.mrc.Shadow hands its queued events to a
+// Core (one call a drain) when it has no L1/L2 overlap to keep (no L2, or no L1 curve), and reads
+// its tallies back for the curves. The state lives in C memory (tierstore/_play.h); the events
+// play as Shadow._reference / Shadow._insert do, the stack as tierstore/_play_stack.c does, to
+// the bit (tests/tierstore/test_mrc_play.py). Keys must be exact bytes of 8 to 32 bytes (page
+// keys are 32 or 16); a queue with any other is refused whole, before anything changes, and the
+// Shadow takes the state back (export) to play it in Python.
+//   Core(state, page, page_bytes, end_bytes, threshold, end_threshold, max_tracked, nslots,
+//        edges, kinds)  kinds: (kv, swa, state) present
+//   play(queue)  trim()  tallies()  export()
+// sources: _play_stack.c _play_type.c
+#include "_play.h"
+
+static void load_key(Key *k, PyObject *b) {
+    memset(k->w, 0, sizeof k->w);
+    k->len = (uint32_t)PyBytes_GET_SIZE(b);
+    memcpy(k->w, PyBytes_AS_STRING(b), k->len);
+}
+
+static int same_key(const Key *a, const Key *b) {
+    return a->len == b->len && !memcmp(a->w, b->w, sizeof a->w);
+}
+
+// The event's keys are loaded as they are read: a match reads every one, an insert after its
+// match only the new tail, its last and its sample (its other key objects, cold by the time the
+// queue plays, are not touched).
+static int start_event(Core *c, PyObject *list) {
+    Py_ssize_t n = PyList_GET_SIZE(list);
+    if (n > c->cap_keys) {
+        Key *k = PyMem_Realloc(c->keys, (size_t)n * sizeof *k);
+        if (k != NULL) c->keys = k;
+        uint64_t *s = k == NULL ? NULL : PyMem_Realloc(c->stamp, (size_t)n * sizeof *s);
+        if (s == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        memset(s + c->cap_keys, 0, (size_t)(n - c->cap_keys) * sizeof *s);
+        c->stamp = s;
+        c->cap_keys = n;
+    }
+    c->list = list;
+    c->event++;
+    return 0;
+}
+
+static inline const Key *key_at(Core *c, Py_ssize_t i) {
+    if (c->stamp[i] != c->event) {
+        load_key(&c->keys[i], PyList_GET_ITEM(c->list, i));
+        c->stamp[i] = c->event;
+    }
+    return &c->keys[i];
+}
+
+static void load_positions(Core *c, const Vec *v) {
+    for (Py_ssize_t j = 0; j < v->n; j++) key_at(c, v->v[j]);
+}
+
+// Shadow._scan into c->ends, c->low, c->sampled; known: the same for its first known->n pages.
+static int scan(Core *c, Py_ssize_t n, const Pending *known, int *has_ends) {
+    Vec *ends = &c->ends, *low = &c->low, *sampled = &c->sampled;
+    Py_ssize_t k = 0;
+    if (known != NULL) {
+        *has_ends = known->has_ends;
+        k = known->n;
+        if (vec_copy(low, &known->low) < 0) return -1;
+        if (*has_ends && vec_copy(ends, &known->ends) < 0) return -1;
+    } else {
+        *has_ends = c->state;
+        low->n = ends->n = 0;
+    }
+    for (Py_ssize_t i = k; i < n; i++) {
+        const Key *key = key_at(c, i);
+        if (below(key, c->threshold) && vec_push(low, i) < 0) return -1;
+        if (*has_ends && is_end(c, key) && vec_push(ends, i) < 0) return -1;
+    }
+    sampled->n = 0;
+    if (!*has_ends || ends->n == 0) return vec_copy(sampled, low);
+    // sorted(low without the ends + the sampled ends): both runs are sorted, merged
+    Py_ssize_t a = 0, b = 0;
+    while (a < low->n || b < ends->n) {
+        if (b < ends->n && (a >= low->n || ends->v[b] <= low->v[a])) {
+            Py_ssize_t e = ends->v[b++];
+            if (a < low->n && low->v[a] == e) a++;
+            if ((c->end_threshold >= P_SPACE || end_sampled(key_at(c, e), c->end_threshold))
+                && vec_push(sampled, e) < 0)
+                return -1;
+        } else if (vec_push(sampled, low->v[a++]) < 0) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static int push_touched(Pending *p, const Key *k, Py_ssize_t i) {
+    if (vec_push(&p->at, i) < 0) return -1;
+    if (p->ntouched == p->cap_touched) {
+        Py_ssize_t cap = p->cap_touched ? 2 * p->cap_touched : 64;
+        Key *t = PyMem_Realloc(p->touched, (size_t)cap * sizeof *t);
+        if (t == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        p->touched = t;
+        p->cap_touched = cap;
+    }
+    p->touched[p->ntouched++] = *k;
+    return 0;
+}
+
+static Py_ssize_t bisect_left(const double *a, Py_ssize_t n, double x) {
+    Py_ssize_t lo = 0, hi = n;
+    while (lo < hi) {
+        Py_ssize_t mid = (lo + hi) / 2;
+        if (a[mid] < x) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+static void count_kinds(Core *c, int mask, Py_ssize_t b, double weight) {
+    for (int k = 0; k < P_KINDS; k++)
+        if (mask >> k & 1) c->khist[k][b] += weight;
+}
+
+// mrc_loops.reference: a match's distances into the histograms, its touch into the pending.
+static int reads(Core *c, int has_ends, Py_ssize_t last) {
+    const Vec *s = &c->sampled, *ends = &c->ends;
+    Py_ssize_t kb = 0, n_page = 0, n_end = 0;
+    for (Py_ssize_t j = 0; j < s->n; j++) {
+        Py_ssize_t i = s->v[j];
+        double weight, hit;
+        int mask;
+        while (has_ends && kb < ends->n && ends->v[kb] < i) kb++;  // (bisect_left: both sorted)
+        if (has_ends && !(kb < ends->n && ends->v[kb] == i)) {
+            weight = c->w_page;
+            hit = 0.0;
+            mask = c->page_kinds;
+            n_page++;
+        } else if (has_ends) {  // a candidate: the tokens since the one before it
+            Py_ssize_t prev = kb ? ends->v[kb - 1] + 1 : 0;
+            weight = c->w_end;
+            hit = (double)((long long)(i + 1 - prev) * c->page) * weight;
+            mask = c->end_kinds;
+            n_end++;
+        } else {  // every page is a candidate
+            weight = c->w_page;
+            hit = (double)c->page * weight;
+            mask = c->page_kinds;
+            n_page++;
+        }
+        const Entry *e = tab_get(&c->pages, key_at(c, i));
+        if (e == NULL) continue;
+        double dist = suffix(c, (Py_ssize_t)(e->code >> 1), c->clock);
+        Py_ssize_t b = bisect_left(c->edges, c->nedges, dist);
+        if (b == c->nedges) continue;
+        if (i <= last && push_touched(&c->p, &c->keys[i], i) < 0) return -1;
+        c->hist[b] += hit;
+        count_kinds(c, mask, b, weight);
+    }
+    for (int k = 0; k < P_KINDS; k++) {
+        if (n_page && c->page_kinds >> k & 1) c->refs[k] += (double)n_page * c->w_page;
+        if (n_end && c->end_kinds >> k & 1) c->refs[k] += (double)n_end * c->w_end;
+    }
+    return 0;
+}
+
+static int flush(Core *c) {  // Shadow._flush: the touch a match left
+    return c->p.ntouched ? touch(c, c->p.touched, NULL, c->p.ntouched, NULL, 0) : 0;
+}
+
+static int reference(Core *c, Py_ssize_t n, long long n_tokens) {  // Shadow._reference
+    c->tokens += n_tokens;
+    c->requests++;
+    if (c->p.on) {
+        c->p.on = 0;
+        if (flush(c) < 0) return -1;
+    }
+    if (n == 0) return 0;
+    int has_ends;
+    if (scan(c, n, NULL, &has_ends) < 0) return -1;
+    Pending *p = &c->p;
+    p->on = 1;
+    p->n = n;
+    p->last = *key_at(c, n - 1);
+    p->has_ends = has_ends;
+    p->threshold = c->threshold;
+    p->ntouched = p->at.n = 0;
+    if (vec_copy(&p->low, &c->low) < 0 || vec_copy(&p->ends, &c->ends) < 0) return -1;
+    if (c->sampled.n == 0 || (has_ends && c->ends.n == 0)) return 0;
+    return reads(c, has_ends, has_ends ? c->ends.v[c->ends.n - 1] : n - 1);
+}
+
+static int add_end(Core *c, const Key *k) {
+    if (tab_reserve(&c->young, 1) < 0) return -1;
+    tab_put(&c->young, k, 0);
+    long b = end_bit(k);
+    c->bits[b >> 3] |= (unsigned char)(1 << (b & 7));
+    return 0;
+}
+
+static int rotate(Core *c) {  // the older generation is forgotten
+    Table fresh;
+    if (tab_init(&fresh, 64) < 0) return -1;
+    tab_free(&c->old);
+    c->old = c->young;
+    c->young = fresh;
+    c->young_n = 0;
+    c->rotated = 1;
+    memset(c->bits, 0, P_END_BITS / 8);
+    for (size_t i = 0; i < c->old.cap; i++)
+        if (c->old.e[i].used) {
+            long b = end_bit((const Key *)c->old.e[i].w);
+            c->bits[b >> 3] |= (unsigned char)(1 << (b & 7));
+        }
+    return 0;
+}
+
+static int insert(Core *c, Py_ssize_t n, int checkpoint) {  // Shadow._insert
+    if (n == 0) return 0;
+    Pending *p = &c->p;
+    int had = p->on, known = had && n >= p->n && same_key(key_at(c, p->n - 1), &p->last);
+    p->on = 0;
+    if (had && !known && flush(c) < 0) return -1;
+    if (checkpoint && c->state) {
+        const Key *last = key_at(c, n - 1);
+        if (!is_end(c, last)) {
+            if (add_end(c, last) < 0) return -1;
+            if (++c->young_n >= 4 * c->max_tracked) {
+                if (rotate(c) < 0) return -1;
+                if (known) {  // forgotten ends may not be sampled now: as matched
+                    if (flush(c) < 0) return -1;
+                    known = 0;
+                }
+            } else if (known && n == p->n && vec_push(&p->ends, n - 1) < 0) {
+                return -1;
+            }
+            if (below(last, c->threshold) || c->rotated) {
+                Entry *e = tab_get(&c->pages, last);
+                if (e != NULL) {  // a tracked page becomes an end: tracked anew below
+                    if (e->code >= 0) {
+                        Py_ssize_t slot = (Py_ssize_t)(e->code >> 1);
+                        double v = c->wb[e->code & 1];
+                        c->values[slot] += -v;
+                        c->sums[slot >> P_SHIFT] += -v;
+                    }
+                    c->num_ends -= e->code & 1;
+                    tab_del(&c->pages, e);
+                }
+            }
+        }
+    }
+    int has_ends;
+    if (known && p->threshold == c->threshold) {
+        if (!p->has_ends && n == p->n) {  // no state, the match's very pages: its sample
+            if (p->low.n == 0) return 0;
+            if (vec_copy(&c->sampled, &p->low) < 0) return -1;
+            load_positions(c, &c->sampled);
+            return touch(c, c->keys, c->sampled.v, c->sampled.n, NULL, 1);
+        }
+        if (scan(c, n, p, &has_ends) < 0) return -1;
+    } else if (scan(c, n, NULL, &has_ends) < 0) {
+        return -1;
+    }
+    load_positions(c, &c->sampled);
+    return touch(c, c->keys, c->sampled.v, c->sampled.n, has_ends ? &c->ends : NULL, 1);
+}
+
+// The queue as play takes it: (is_match: bool, keys: list of 8-32 byte bytes, int), or -1 and
+// a ValueError, before anything changes.
+static int check_queue(PyObject *queue) {
+    if (!PyList_CheckExact(queue)) {
+        PyErr_SetString(PyExc_ValueError, "the queue must be a list");
+        return -1;
+    }
+    for (Py_ssize_t j = 0; j < PyList_GET_SIZE(queue); j++) {
+        PyObject *ev = PyList_GET_ITEM(queue, j);
+        if (!PyTuple_CheckExact(ev) || PyTuple_GET_SIZE(ev) != 3
+            || !PyBool_Check(PyTuple_GET_ITEM(ev, 0)) || !PyList_CheckExact(PyTuple_GET_ITEM(ev, 1))
+            || !(PyLong_CheckExact(PyTuple_GET_ITEM(ev, 2))
+                 || PyBool_Check(PyTuple_GET_ITEM(ev, 2)))) {
+            PyErr_Format(PyExc_ValueError, "event %zd is not (bool, list, int)", j);
+            return -1;
+        }
+        PyObject *keys = PyTuple_GET_ITEM(ev, 1);
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(keys); i++) {
+            PyObject *k = PyList_GET_ITEM(keys, i);
+            if (!PyBytes_CheckExact(k) || PyBytes_GET_SIZE(k) < P_MIN_KEY
+                || PyBytes_GET_SIZE(k) > P_MAX_KEY) {
+                PyErr_Format(PyExc_ValueError, "event %zd: key %zd is not bytes of %d to %d",
+                             j, i, P_MIN_KEY, P_MAX_KEY);
+                return -1;
+            }
+        }
+        if (PyTuple_GET_ITEM(ev, 0) == Py_True) {
+            long long t = PyLong_AsLongLong(PyTuple_GET_ITEM(ev, 2));
+            if (t == -1 && PyErr_Occurred()) {
+                PyErr_Clear();
+                PyErr_Format(PyExc_ValueError, "event %zd: tokens out of range", j);
+                return -1;
+            }
+        }
+    }
+    return 0;
+}
+
+PyObject *core_play(Core *c, PyObject *queue) {
+    if (check_queue(queue) < 0) return NULL;
+    for (Py_ssize_t j = 0; j < PyList_GET_SIZE(queue); j++) {
+        PyObject *ev = PyList_GET_ITEM(queue, j);
+        PyObject *keys = PyTuple_GET_ITEM(ev, 1), *arg = PyTuple_GET_ITEM(ev, 2);
+        if (start_event(c, keys) < 0) return NULL;
+        Py_ssize_t n = PyList_GET_SIZE(keys);
+        int rc = PyTuple_GET_ITEM(ev, 0) == Py_True
+            ? reference(c, n, PyLong_AsLongLong(arg))
+            : insert(c, n, PyObject_IsTrue(arg));  // (an exact int or bool: no Python runs)
+        if (rc < 0) return NULL;
+    }
+    if ((Py_ssize_t)c->pages.n > c->trim_at && trim(c) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {{NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_c_play", "The miss-ratio shadow played whole in C (Core).",
+    -1, methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__c_play(void) {
+    if (PyType_Ready(&CoreType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    if (PyModule_AddObjectRef(m, "Core", (PyObject *)&CoreType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
