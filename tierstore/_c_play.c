@@ -1,6 +1,6 @@
-// The miss-ratio shadow played whole in C: tierstore.mrc.Shadow hands its queued events to a
-// Core (one call a drain) when it has no L1/L2 overlap to keep (no L2, or no L1 curve), and reads
-// its tallies back for the curves. The state lives in C memory (tierstore/_play.h); the events
+// The miss-ratio shadow played whole in C: tierstore.mrc.Shadow hands its events to a Core (the
+// store calls match and insert directly) when it has no L1/L2 overlap to keep (no L2, or no L1
+// curve), and reads its tallies back for the curves. The state lives in C memory (tierstore/_play.h); the events
 // play as Shadow._reference / Shadow._insert do, the stack as tierstore/_play_stack.c does, to
 // the bit (tests/tierstore/test_mrc_play.py). Keys must be exact bytes of 8 to 32 bytes (page
 // keys are 32 or 16); a queue with any other is refused whole, before anything changes, and the
@@ -11,48 +11,10 @@
 // sources: _play_stack.c _play_type.c
 #include "_play.h"
 
-static void load_key(Key *k, PyObject *b) {
-    memset(k->w, 0, sizeof k->w);
-    k->len = (uint32_t)PyBytes_GET_SIZE(b);
-    memcpy(k->w, PyBytes_AS_STRING(b), k->len);
-}
+static inline const Key *key_at(const Core *c, Py_ssize_t i) { return &c->cur[i]; }
 
 static int same_key(const Key *a, const Key *b) {
     return a->len == b->len && !memcmp(a->w, b->w, sizeof a->w);
-}
-
-// The event's keys are loaded as they are read: a match reads every one, an insert after its
-// match only the new tail, its last and its sample (its other key objects, cold by the time the
-// queue plays, are not touched).
-static int start_event(Core *c, PyObject *list) {
-    Py_ssize_t n = PyList_GET_SIZE(list);
-    if (n > c->cap_keys) {
-        Key *k = PyMem_Realloc(c->keys, (size_t)n * sizeof *k);
-        if (k != NULL) c->keys = k;
-        uint64_t *s = k == NULL ? NULL : PyMem_Realloc(c->stamp, (size_t)n * sizeof *s);
-        if (s == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        memset(s + c->cap_keys, 0, (size_t)(n - c->cap_keys) * sizeof *s);
-        c->stamp = s;
-        c->cap_keys = n;
-    }
-    c->list = list;
-    c->event++;
-    return 0;
-}
-
-static inline const Key *key_at(Core *c, Py_ssize_t i) {
-    if (c->stamp[i] != c->event) {
-        load_key(&c->keys[i], PyList_GET_ITEM(c->list, i));
-        c->stamp[i] = c->event;
-    }
-    return &c->keys[i];
-}
-
-static void load_positions(Core *c, const Vec *v) {
-    for (Py_ssize_t j = 0; j < v->n; j++) key_at(c, v->v[j]);
 }
 
 // Shadow._scan into c->ends, c->low, c->sampled; known: the same for its first known->n pages.
@@ -153,7 +115,7 @@ static int reads(Core *c, int has_ends, Py_ssize_t last) {
         double dist = suffix(c, (Py_ssize_t)(e->code >> 1), c->clock);
         Py_ssize_t b = bisect_left(c->edges, c->nedges, dist);
         if (b == c->nedges) continue;
-        if (i <= last && push_touched(&c->p, &c->keys[i], i) < 0) return -1;
+        if (i <= last && push_touched(&c->p, key_at(c, i), i) < 0) return -1;
         c->hist[b] += hit;
         count_kinds(c, mask, b, weight);
     }
@@ -254,69 +216,110 @@ static int insert(Core *c, Py_ssize_t n, int checkpoint) {  // Shadow._insert
         if (!p->has_ends && n == p->n) {  // no state, the match's very pages: its sample
             if (p->low.n == 0) return 0;
             if (vec_copy(&c->sampled, &p->low) < 0) return -1;
-            load_positions(c, &c->sampled);
-            return touch(c, c->keys, c->sampled.v, c->sampled.n, NULL, 1);
+            return touch(c, c->cur, c->sampled.v, c->sampled.n, NULL, 1);
         }
         if (scan(c, n, p, &has_ends) < 0) return -1;
     } else if (scan(c, n, NULL, &has_ends) < 0) {
         return -1;
     }
-    load_positions(c, &c->sampled);
-    return touch(c, c->keys, c->sampled.v, c->sampled.n, has_ends ? &c->ends : NULL, 1);
+    return touch(c, c->cur, c->sampled.v, c->sampled.n, has_ends ? &c->ends : NULL, 1);
 }
 
-// The queue as play takes it: (is_match: bool, keys: list of 8-32 byte bytes, int), or -1 and
-// a ValueError, before anything changes.
-static int check_queue(PyObject *queue) {
-    if (!PyList_CheckExact(queue)) {
-        PyErr_SetString(PyExc_ValueError, "the queue must be a list");
+// An event the queue takes: keys an exact list of exact bytes of P_MIN_KEY to P_MAX_KEY, the
+// tokens of a match an exact int (in range), a checkpoint flag an exact bool or int.
+static int event_ok(PyObject *keys, PyObject *arg, int match, long long *value) {
+    if (!PyList_CheckExact(keys)) return 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(keys); i++) {
+        PyObject *k = PyList_GET_ITEM(keys, i);
+        if (!PyBytes_CheckExact(k) || PyBytes_GET_SIZE(k) < P_MIN_KEY
+            || PyBytes_GET_SIZE(k) > P_MAX_KEY)
+            return 0;
+    }
+    if (match) {
+        if (!PyLong_CheckExact(arg)) return 0;
+        *value = PyLong_AsLongLong(arg);
+        if (*value == -1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            return 0;
+        }
+        return 1;
+    }
+    if (!PyLong_CheckExact(arg) && !PyBool_Check(arg)) return 0;
+    *value = PyObject_IsTrue(arg);  // (an exact int or bool: no Python runs)
+    return 1;
+}
+
+static int grow(void **p, Py_ssize_t *cap, Py_ssize_t need, size_t size) {
+    if (need <= *cap) return 0;
+    Py_ssize_t to = *cap ? *cap : 64;
+    while (to < need) to *= 2;
+    void *q = PyMem_Realloc(*p, (size_t)to * size);
+    if (q == NULL) {
+        PyErr_NoMemory();
         return -1;
     }
-    for (Py_ssize_t j = 0; j < PyList_GET_SIZE(queue); j++) {
-        PyObject *ev = PyList_GET_ITEM(queue, j);
-        if (!PyTuple_CheckExact(ev) || PyTuple_GET_SIZE(ev) != 3
-            || !PyBool_Check(PyTuple_GET_ITEM(ev, 0)) || !PyList_CheckExact(PyTuple_GET_ITEM(ev, 1))
-            || !(PyLong_CheckExact(PyTuple_GET_ITEM(ev, 2))
-                 || PyBool_Check(PyTuple_GET_ITEM(ev, 2)))) {
-            PyErr_Format(PyExc_ValueError, "event %zd is not (bool, list, int)", j);
-            return -1;
-        }
-        PyObject *keys = PyTuple_GET_ITEM(ev, 1);
-        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(keys); i++) {
-            PyObject *k = PyList_GET_ITEM(keys, i);
-            if (!PyBytes_CheckExact(k) || PyBytes_GET_SIZE(k) < P_MIN_KEY
-                || PyBytes_GET_SIZE(k) > P_MAX_KEY) {
-                PyErr_Format(PyExc_ValueError, "event %zd: key %zd is not bytes of %d to %d",
-                             j, i, P_MIN_KEY, P_MAX_KEY);
-                return -1;
-            }
-        }
-        if (PyTuple_GET_ITEM(ev, 0) == Py_True) {
-            long long t = PyLong_AsLongLong(PyTuple_GET_ITEM(ev, 2));
-            if (t == -1 && PyErr_Occurred()) {
-                PyErr_Clear();
-                PyErr_Format(PyExc_ValueError, "event %zd: tokens out of range", j);
-                return -1;
-            }
-        }
-    }
+    *p = q;
+    *cap = to;
     return 0;
 }
 
-PyObject *core_play(Core *c, PyObject *queue) {
-    if (check_queue(queue) < 0) return NULL;
-    for (Py_ssize_t j = 0; j < PyList_GET_SIZE(queue); j++) {
-        PyObject *ev = PyList_GET_ITEM(queue, j);
-        PyObject *keys = PyTuple_GET_ITEM(ev, 1), *arg = PyTuple_GET_ITEM(ev, 2);
-        if (start_event(c, keys) < 0) return NULL;
-        Py_ssize_t n = PyList_GET_SIZE(keys);
-        int rc = PyTuple_GET_ITEM(ev, 0) == Py_True
-            ? reference(c, n, PyLong_AsLongLong(arg))
-            : insert(c, n, PyObject_IsTrue(arg));  // (an exact int or bool: no Python runs)
-        if (rc < 0) return NULL;
+// Queue an event, its keys copied; play the queue once it holds `batch`. An event the core does
+// not take goes to on_refuse (the Shadow takes the state back and plays it in Python); with no
+// on_refuse, a ValueError. Either way nothing queued or played changes.
+static PyObject *enqueue(Core *c, int match, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, match ? "match(keys, n_tokens)"
+                                               : "insert(keys, checkpoint)");
+        return NULL;
     }
-    if ((Py_ssize_t)c->pages.n > c->trim_at && trim(c) < 0) return NULL;
+    long long value;
+    if (!event_ok(args[0], args[1], match, &value)) {
+        if (c->on_refuse == NULL || c->on_refuse == Py_None) {
+            PyErr_Format(PyExc_ValueError, "the core takes a list of bytes of %d to %d and %s",
+                         P_MIN_KEY, P_MAX_KEY, match ? "an int of tokens" : "a bool");
+            return NULL;
+        }
+        return PyObject_CallFunctionObjArgs(c->on_refuse, match ? Py_True : Py_False, args[0],
+                                            args[1], NULL);
+    }
+    Py_ssize_t n = PyList_GET_SIZE(args[0]);
+    if (grow((void **)&c->qkeys, &c->cap_qkeys, c->nqkeys + n, sizeof(Key)) < 0
+        || grow((void **)&c->events, &c->cap_events, c->nevents + 1, sizeof(Event)) < 0)
+        return NULL;
+    Key *k = &c->qkeys[c->nqkeys];
+    for (Py_ssize_t i = 0; i < n; i++, k++) {
+        PyObject *b = PyList_GET_ITEM(args[0], i);
+        memset(k->w, 0, sizeof k->w);
+        k->len = (uint32_t)PyBytes_GET_SIZE(b);
+        memcpy(k->w, PyBytes_AS_STRING(b), k->len);
+    }
+    c->events[c->nevents++] = (Event){match, n, c->nqkeys, value};
+    c->nqkeys += n;
+    if (c->nevents >= c->batch && drain(c) < 0) return NULL;
     Py_RETURN_NONE;
+}
+
+PyObject *core_match(Core *c, PyObject *const *args, Py_ssize_t nargs) {
+    return enqueue(c, 1, args, nargs);
+}
+
+PyObject *core_insert(Core *c, PyObject *const *args, Py_ssize_t nargs) {
+    return enqueue(c, 0, args, nargs);
+}
+
+// Play the queue, in order, then drop the pages past the curves' depth once they doubled.
+// (On an error, only memory running out, the rest of the queue is dropped.)
+int drain(Core *c) {
+    int rc = 0;
+    for (Py_ssize_t j = 0; j < c->nevents && rc == 0; j++) {
+        const Event *ev = &c->events[j];
+        c->cur = &c->qkeys[ev->at];
+        rc = ev->match ? reference(c, ev->n, ev->arg) : insert(c, ev->n, (int)ev->arg);
+    }
+    c->nevents = c->nqkeys = 0;
+    c->cur = NULL;
+    if (rc == 0 && (Py_ssize_t)c->pages.n > c->trim_at) rc = trim(c);
+    return rc;
 }
 
 static PyMethodDef methods[] = {{NULL, NULL, 0, NULL}};

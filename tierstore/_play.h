@@ -59,6 +59,14 @@ typedef struct {
     Vec at;                 // ... and their positions (for export)
 } Pending;
 
+// A queued event: a match (arg: its tokens) or an insert (arg: a checkpoint at its end), of n
+// keys from qkeys[at].
+typedef struct {
+    int match;
+    Py_ssize_t n, at;
+    long long arg;
+} Event;
+
 typedef struct {
     PyObject_HEAD
     int state;                        // the model has recurrent state: ends are checkpoints
@@ -82,11 +90,12 @@ typedef struct {
     int page_kinds, end_kinds;        // the kinds a page, a candidate end adds to (bits)
     long long tokens, requests;
     Pending p;
-    Key *keys;                        // the event's keys, loaded as they are read
-    uint64_t *stamp;                  // ... the event each position was loaded for
-    uint64_t event;                   // events played
-    PyObject *list;                   // the event's key list (borrowed: the queue holds it)
-    Py_ssize_t cap_keys;
+    Event *events;                    // the queue: events heard, not yet played
+    Py_ssize_t nevents, cap_events, batch;  // (played when batch are queued)
+    Key *qkeys;                       // their keys, copied as they come (hot: the store just
+    Py_ssize_t nqkeys, cap_qkeys;     // hashed them), so the play reads no key object
+    const Key *cur;                   // the playing event's keys
+    PyObject *on_refuse;              // called with an event the core does not take
     Vec ends, low, sampled;           // the event's scan
     Entry **order;                    // compaction's scratch: live entries in slot order
 } Core;
@@ -140,6 +149,8 @@ int touch(Core *c, const Key *keys, const Py_ssize_t *pos, Py_ssize_t npos, cons
 
 // the type and its events (_play_type.c, _c_play.c)
 extern PyTypeObject CoreType;
-PyObject *core_play(Core *c, PyObject *queue);
+PyObject *core_match(Core *c, PyObject *const *args, Py_ssize_t nargs);
+PyObject *core_insert(Core *c, PyObject *const *args, Py_ssize_t nargs);
+int drain(Core *c);
 
 #endif

@@ -2,8 +2,21 @@
 // its methods, and its state read back as Python objects (the curves' tallies; the whole state
 // for the Shadow to take back, and for the tests to compare with the pure twin's).
 #include "_play.h"
+#include <structmember.h>
+
+static int core_traverse(Core *c, visitproc visit, void *arg) {
+    Py_VISIT(c->on_refuse);  // (a Shadow's method: the Shadow holds the core)
+    return 0;
+}
+
+static int core_clear(Core *c) {
+    Py_CLEAR(c->on_refuse);
+    return 0;
+}
 
 static void core_dealloc(Core *c) {
+    PyObject_GC_UnTrack(c);
+    core_clear(c);
     PyMem_Free(c->values);
     PyMem_Free(c->sums);
     PyMem_Free(c->order);
@@ -14,8 +27,8 @@ static void core_dealloc(Core *c) {
     tab_free(&c->pages);
     tab_free(&c->young);
     tab_free(&c->old);
-    PyMem_Free(c->keys);
-    PyMem_Free(c->stamp);
+    PyMem_Free(c->events);
+    PyMem_Free(c->qkeys);
     Vec *vecs[] = {&c->ends, &c->low, &c->sampled, &c->p.ends, &c->p.low, &c->p.at};
     for (size_t j = 0; j < sizeof vecs / sizeof *vecs; j++) PyMem_Free(vecs[j]->v);
     PyMem_Free(c->p.touched);
@@ -55,17 +68,17 @@ static PyObject *core_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) 
     int state;
     long long page, page_bytes, end_bytes;
     unsigned long long thr, ethr;
-    Py_ssize_t max_tracked, nslots;
+    Py_ssize_t max_tracked, nslots, batch;
     PyObject *edges, *kinds;
     if (kwargs != NULL && PyDict_GET_SIZE(kwargs)) {
         PyErr_SetString(PyExc_TypeError, "Core takes positional arguments only");
         return NULL;
     }
-    if (!PyArg_ParseTuple(args, "pLLLKKnnOO:Core", &state, &page, &page_bytes, &end_bytes, &thr,
-                          &ethr, &max_tracked, &nslots, &edges, &kinds))
+    if (!PyArg_ParseTuple(args, "pLLLKKnnOOn:Core", &state, &page, &page_bytes, &end_bytes,
+                          &thr, &ethr, &max_tracked, &nslots, &edges, &kinds, &batch))
         return NULL;
     if (thr < 1 || thr > P_SPACE || ethr < 1 || ethr > P_SPACE || max_tracked < 1 || nslots < 1
-        || page < 0 || page_bytes < 0 || end_bytes < 0) {
+        || page < 0 || page_bytes < 0 || end_bytes < 0 || batch < 1) {
         PyErr_SetString(PyExc_ValueError, "Core: a threshold, size or count out of range");
         return NULL;
     }
@@ -85,6 +98,7 @@ static PyObject *core_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) 
     c->nslots = nslots;
     c->nblocks = (nslots + (1 << P_SHIFT) - 1) >> P_SHIFT;
     c->trim_at = P_TRIM_MIN;
+    c->batch = batch;
     if (read_edges(c, edges) < 0) goto fail;
     if ((c->values = zeros((size_t)nslots, sizeof(double))) == NULL
         || (c->sums = zeros((size_t)c->nblocks, sizeof(double))) == NULL
@@ -200,14 +214,20 @@ static PyObject *core_export(Core *c, PyObject *unused) {
     }
     if (pages == NULL) return NULL;
     return Py_BuildValue(
-        "{sNsNsNsnsnsNsNsnsisKsKsnsNsNsNsLsLsN}", "pages", pages,
+        "{sNsNsNsnsnsNsNsnsisKsKsnsNsNsNsLsLsNsn}", "pages", pages,
         "values", doubles(c->values, c->nslots), "sums", doubles(c->sums, c->nblocks),
         "clock", c->clock, "num_ends", c->num_ends, "young", key_list(&c->young),
         "old", key_list(&c->old), "young_n", c->young_n, "rotated", c->rotated,
         "threshold", c->threshold, "end_threshold", c->end_threshold, "trim_at", c->trim_at,
         "hist", doubles(c->hist, c->nedges + 1), "kind_hist", kind_hists(c),
         "refs", doubles(c->refs, P_KINDS), "tokens", c->tokens, "requests", c->requests,
-        "pending", pending(c));
+        "pending", pending(c), "queued", c->nevents);
+}
+
+static PyObject *core_drain(Core *c, PyObject *unused) {
+    (void)unused;
+    if (drain(c) < 0) return NULL;
+    Py_RETURN_NONE;
 }
 
 static PyObject *core_trim(Core *c, PyObject *unused) {
@@ -217,14 +237,25 @@ static PyObject *core_trim(Core *c, PyObject *unused) {
 }
 
 static PyMethodDef core_methods[] = {
-    {"play", (PyCFunction)core_play, METH_O,
-     "play(queue): play the queued events ((is_match, keys, tokens or checkpoint), in order), "
-     "then drop the pages past the curves' depth when they doubled; a queue with a key that is "
-     "not bytes of 8 to 32 is refused whole (ValueError), before anything changes"},
+    {"match", (PyCFunction)(void (*)(void))core_match, METH_FASTCALL,
+     "match(keys, n_tokens): queue a match of n_tokens tokens whose full pages are keys (a list "
+     "of bytes of 8 to 32; else on_refuse hears it, or a ValueError); played with the queue"},
+    {"insert", (PyCFunction)(void (*)(void))core_insert, METH_FASTCALL,
+     "insert(keys, checkpoint): queue an insert of a prompt's full pages, with a checkpoint at "
+     "its end (a bool); played with the queue"},
+    {"drain", (PyCFunction)core_drain, METH_NOARGS,
+     "play the queued events, in order (then drop the pages past the curves' depth once they "
+     "doubled)"},
     {"trim", (PyCFunction)core_trim, METH_NOARGS, "drop the pages past the curves' depth"},
     {"tallies", (PyCFunction)core_tallies, METH_NOARGS, "what the curves read"},
     {"export", (PyCFunction)core_export, METH_NOARGS, "the whole state as Python objects"},
     {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef core_members[] = {
+    {"on_refuse", T_OBJECT, offsetof(Core, on_refuse), 0,
+     "called with (is_match, keys, arg) of an event the core does not take; None: refused"},
+    {NULL, 0, 0, 0, NULL},
 };
 
 PyTypeObject CoreType = {
@@ -232,7 +263,10 @@ PyTypeObject CoreType = {
     .tp_name = "tierstore._c_play.Core",
     .tp_basicsize = sizeof(Core),
     .tp_dealloc = (destructor)core_dealloc,
-    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_traverse = (traverseproc)core_traverse,
+    .tp_clear = (inquiry)core_clear,
+    .tp_members = core_members,
     .tp_doc = "The miss-ratio shadow's state and event loop in C (tierstore.mrc.Shadow's).",
     .tp_methods = core_methods,
     .tp_new = core_new,

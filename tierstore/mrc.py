@@ -103,7 +103,7 @@ class Shadow:
                  page_size: int, *, swa_window_pages: int = 0, swa_window_only: bool = False,
                  rate: float = DEFAULT_RATE, max_tracked: int = DEFAULT_MAX_TRACKED,
                  multiples: Sequence[float] = MULTIPLES, unbounded_below: bool = False,
-                 write_through: bool = False) -> None:
+                 write_through: bool = False, whole_in_c: bool = True) -> None:
         if not 0 < rate <= 1:
             raise ValueError(f"sampling rate must be in (0, 1], got {rate}")
         if max_tracked < 16:
@@ -195,10 +195,14 @@ class Shadow:
         # Without the overlap the whole state and event loop can live in C: no Python object
         # per event or per tracked page (in bench ops' loop the Python one cost ~10 points of
         # a request, mostly the objects it made and the memory it walked).
-        self._core: Any = None if _P is None or self._overlap else _P.Core(
+        # (whole_in_c False: the Python event loop, as with an overlap; tests compare the two)
+        self._core: Any = None if _P is None or self._overlap or not whole_in_c else _P.Core(
             self.state, page_size, self.page_bytes, self.end_bytes, self.threshold,
             self.end_threshold, max_tracked, self._slots, self.edges,
-            tuple(k in units for k in _KINDS))
+            tuple(k in units for k in _KINDS), BATCH)
+        if self._core is not None:  # the store calls the core's own queue: no frame an event
+            self._core.on_refuse = self._refused
+            self.__dict__.update(reference=self._core.match, insert=self._core.insert)
 
     # ------------------------------------------------------------------ events
     @property
@@ -242,11 +246,8 @@ class Shadow:
         """Play the queued events, in order."""
         queue, self._queue = self._queue, []
         if self._core is not None:
-            try:
-                self._core.play(queue)
-                return
-            except ValueError:  # (refused whole: keys not bytes of 8 to 32, or not a list)
-                self._take_back()
+            self._core.drain()
+            return
         match, insert = self._reference, self._insert  # (no bound method made per event)
         for is_match, keys, arg in queue:
             if is_match:
@@ -256,9 +257,23 @@ class Shadow:
         if len(self._pages) > self._trim_at:
             mrc_stack.trim(self)
 
+    def _refused(self, is_match: bool, keys: Sequence[bytes], arg: Any) -> None:
+        """An event the compiled core does not take (keys not a list of bytes of 8 to 32): the
+        shadow plays on in Python, from the core's state."""
+        self._take_back()
+        if is_match:
+            self.reference(keys, arg)
+        else:
+            self.insert(keys, arg)
+
     def _take_back(self) -> None:
         """Play in Python from here on: the compiled core's state becomes this shadow's."""
-        state, self._core = self._core.export(), None
+        core, self._core = self._core, None
+        core.drain()
+        core.on_refuse = None
+        for hook in ("reference", "insert"):  # (the class's methods again)
+            self.__dict__.pop(hook, None)
+        state = core.export()
         self._pages = state["pages"]
         self._tree = _Slots.__new__(_Slots)
         self._tree.values, self._tree.sums = state["values"], state["sums"]

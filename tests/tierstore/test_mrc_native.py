@@ -39,9 +39,9 @@ def workload(n: int, seed: int) -> list[tuple[str, list[bytes], int]]:
 
 
 def pair(capacities: dict[str, int], units: dict[str, int], **kw: Any) -> tuple[Shadow, Shadow]:
+    kw["whole_in_c"] = False  # (these loops, not the whole shadow in C)
     compiled, pure = Shadow(capacities, units, PAGE, **kw), Shadow(capacities, units, PAGE, **kw)
     compiled._c, pure._c = _c, None
-    compiled._core = pure._core = None  # (these loops, not the whole shadow in C)
     return compiled, pure
 
 
@@ -138,7 +138,7 @@ def test_end_prefilter_marks_like_its_twin_and_keeps_every_end() -> None:
             assert _c.mark_end(ours, key) is True  # (set now, or no bit at all)
     assert ours == theirs and any(ours)
     assert mrc_loops.end_bits([b"short"]) == bytearray(mrc_loops.END_BITS // 8)
-    s = Shadow({"l1": 20_000}, UNITS, PAGE, max_tracked=16)  # ends rotate every 64
+    s = Shadow({"l1": 20_000}, UNITS, PAGE, max_tracked=16, whole_in_c=False)  # ends rotate
     for op, keys, n in workload(400, seed=6):
         if op == "match":
             s._reference(list(keys), n)
@@ -177,9 +177,9 @@ def test_end_generations_and_the_tracked_pages_invariant(pure: bool) -> None:
     lets a new end skip the page lookup: a page tracked as such sorts below the page limit,
     and until ends are first forgotten every tracked end is in the end set."""
     s = Shadow({"l1": 20_000}, UNITS, PAGE, max_tracked=16,  # rates halve, ends rotate
-               unbounded_below=True)  # (no page dropped for its depth: every rate halves)
+               unbounded_below=True,  # (no page dropped for its depth: every rate halves)
+               whole_in_c=False)  # (the Python tables, read after every event)
     s._c = None if pure else _c
-    s._core = None  # (the Python tables, read after every event)
     young: dict[bytes, None] = {}
     old: dict[bytes, None] = {}
     for op, keys, n in workload(600, seed=8):

@@ -55,9 +55,10 @@ def workload(n: int, seed: int) -> list[tuple[str, list[bytes], int]]:
 
 
 def twins(capacities: dict[str, int], units: dict[str, int], **kw: Any) -> tuple[Shadow, Shadow]:
-    core, pure = Shadow(capacities, units, PAGE, **kw), Shadow(capacities, units, PAGE, **kw)
+    core = Shadow(capacities, units, PAGE, **kw)
+    pure = Shadow(capacities, units, PAGE, whole_in_c=False, **kw)
     assert core._core is not None
-    pure._c, pure._core = None, None
+    pure._c = None
     return core, pure
 
 
@@ -176,25 +177,33 @@ def test_refused_input_changes_nothing() -> None:
             core.reference(list(keys), n)
         else:
             core.insert(list(keys), True)
-    core.drain()
     c = core._core
+    c.on_refuse = None
     before = c.export()
+    assert before["queued"] > 0
     good = [b"k" * 32]
-    for queue in ["no list", [(True, good)], [(1, good, 5)], [(True, tuple(good), 5)],
-                  [(True, good, 5.0)], [(True, good, 5), (False, [b"x" * 33], True)],
-                  [(False, good, True), (True, [good[0], "str"], 3)],
-                  [(True, good, 1 << 70)]]:
+    bad_keys = ["no list", tuple(good), [b"x" * 33], [good[0], "str"], [b"short"]]
+    cases = [(hook, keys, 1) for keys in bad_keys for hook in (c.match, c.insert)]
+    cases += [(c.match, good, arg) for arg in (5.0, 1 << 70, "5", True)]
+    cases += [(c.insert, good, arg) for arg in (1.0, "yes", None)]
+    for hook, keys, arg in cases:
         with pytest.raises(ValueError):
-            c.play(queue)
+            hook(keys, arg)
         assert c.export() == before
+    with pytest.raises(TypeError):
+        c.match(good)
+    c.drain()
+    assert c.export()["queued"] == 0
     edges = [1.0, 2.0, math.inf]
-    for args in [(True, 16, 100, 700, 0, 1, 16, 64, edges, (True, False, True)),
-                 (True, 16, 100, 700, 1 << 33, 1, 16, 64, edges, (True, False, True)),
-                 (True, 16, 100, 700, 1, 1, 0, 64, edges, (True, False, True)),
-                 (True, 16, 100, 700, 1, 1, 16, 64, [], (True, False, True)),
-                 (True, 16, 100, 700, 1, 1, 16, 64, [2.0, 1.0], (True, False, True)),
-                 (True, 16, 100, 700, 1, 1, 16, 64, ["1"], (True, False, True)),
-                 (True, 16, 100, 700, 1, 1, 16, 64, edges, (True, False))]:
+    kinds = (True, False, True)
+    for args in [(True, 16, 100, 700, 0, 1, 16, 64, edges, kinds, 64),
+                 (True, 16, 100, 700, 1 << 33, 1, 16, 64, edges, kinds, 64),
+                 (True, 16, 100, 700, 1, 1, 0, 64, edges, kinds, 64),
+                 (True, 16, 100, 700, 1, 1, 16, 64, [], kinds, 64),
+                 (True, 16, 100, 700, 1, 1, 16, 64, [2.0, 1.0], kinds, 64),
+                 (True, 16, 100, 700, 1, 1, 16, 64, ["1"], kinds, 64),
+                 (True, 16, 100, 700, 1, 1, 16, 64, edges, (True, False), 64),
+                 (True, 16, 100, 700, 1, 1, 16, 64, edges, kinds, 0)]:
         with pytest.raises((TypeError, ValueError)):
             _p.Core(*args)
 

@@ -69,9 +69,8 @@ def trim(s: Shadow) -> None:
 
 
 def shadow(capacities: dict[str, int], path: str, **kw: Any) -> Shadow:
-    s = Shadow(capacities, UNITS, PAGE, max_tracked=1 << 20, **kw)  # no rate halves
-    if path != "core":
-        s._core = None
+    s = Shadow(capacities, UNITS, PAGE, max_tracked=1 << 20,  # no rate halves
+               whole_in_c=path == "core", **kw)
     if path == "pure":
         s._c = None
     return s
@@ -132,8 +131,8 @@ def test_when_pages_are_dropped_changes_no_curve(path: str, capacities: dict[str
 def test_a_match_past_the_depth_moves_nothing() -> None:
     """A match of a page deeper than every size leaves it where it is (and dropped by the
     next trim); the same match within the depth moves it to the top."""
-    s = Shadow({"l1": 1_000}, UNITS, PAGE, rate=1.0)
-    s._core = None  # (the Python tables, read between events; the core plays as they do)
+    # (the Python tables, read between events; the core plays as they do)
+    s = Shadow({"l1": 1_000}, UNITS, PAGE, rate=1.0, whole_in_c=False)
     old = [hashlib.sha256(b"old%d" % i).digest() for i in range(2)]
     s.insert(old, True)
     for i in range(60):  # 60 other prompts of 2 pages push it past 4 x 1,000 bytes
