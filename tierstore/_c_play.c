@@ -1,13 +1,16 @@
 // The miss-ratio shadow played whole in C: tierstore.mrc.Shadow hands its events to a Core (the
-// store calls match and insert directly) when it has no L1/L2 overlap to keep (no L2, or no L1
-// curve), and reads its tallies back for the curves. The state lives in C memory (tierstore/_play.h); the events
-// play as Shadow._reference / Shadow._insert do, the stack as tierstore/_play_stack.c does, to
-// the bit (tests/tierstore/test_mrc_play.py). Keys must be exact bytes of 8 to 32 bytes (page
-// keys are 32 or 16); a queue with any other is refused whole, before anything changes, and the
-// Shadow takes the state back (export) to play it in Python.
+// store calls its match and insert directly) when it has no L1/L2 overlap to keep (no L2, or no
+// L1 curve), and reads its tallies back for the curves. The state lives in C memory
+// (tierstore/_play.h). Events are queued with their keys copied while hot and played `batch`
+// at a time as Shadow._reference / Shadow._insert play them, the stack as
+// tierstore/_play_stack.c moves it: the same tables and curves to the bit as the pure Shadow
+// (tests/tierstore/test_mrc_play.py). Keys must be exact bytes of 8 to 32 bytes (page keys are
+// 32 or 16); an event with any other goes to on_refuse, and the Shadow takes the state back
+// (export) to play on in Python.
 //   Core(state, page, page_bytes, end_bytes, threshold, end_threshold, max_tracked, nslots,
-//        edges, kinds)  kinds: (kv, swa, state) present
-//   play(queue)  trim()  tallies()  export()
+//        edges, kinds, batch)  kinds: (kv, swa, state) present
+//   match(keys, n_tokens)  insert(keys, checkpoint)  drain()  trim()  tallies()  export()
+//   on_refuse: a callable (is_match, keys, arg), or None
 // sources: _play_stack.c _play_type.c
 #include "_play.h"
 
@@ -225,16 +228,9 @@ static int insert(Core *c, Py_ssize_t n, int checkpoint) {  // Shadow._insert
     return touch(c, c->cur, c->sampled.v, c->sampled.n, has_ends ? &c->ends : NULL, 1);
 }
 
-// An event the queue takes: keys an exact list of exact bytes of P_MIN_KEY to P_MAX_KEY, the
-// tokens of a match an exact int (in range), a checkpoint flag an exact bool or int.
-static int event_ok(PyObject *keys, PyObject *arg, int match, long long *value) {
-    if (!PyList_CheckExact(keys)) return 0;
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(keys); i++) {
-        PyObject *k = PyList_GET_ITEM(keys, i);
-        if (!PyBytes_CheckExact(k) || PyBytes_GET_SIZE(k) < P_MIN_KEY
-            || PyBytes_GET_SIZE(k) > P_MAX_KEY)
-            return 0;
-    }
+// An event's argument the queue takes: the tokens of a match an exact int (in range), a
+// checkpoint flag an exact bool or int.
+static int arg_ok(PyObject *arg, int match, long long *value) {
     if (match) {
         if (!PyLong_CheckExact(arg)) return 0;
         *value = PyLong_AsLongLong(arg);
@@ -247,6 +243,18 @@ static int event_ok(PyObject *keys, PyObject *arg, int match, long long *value) 
     if (!PyLong_CheckExact(arg) && !PyBool_Check(arg)) return 0;
     *value = PyObject_IsTrue(arg);  // (an exact int or bool: no Python runs)
     return 1;
+}
+
+static inline void load_key(Key *k, PyObject *b) {
+    const char *p = PyBytes_AS_STRING(b);
+    Py_ssize_t len = PyBytes_GET_SIZE(b);
+    k->len = (uint32_t)len;
+    if (len == P_MAX_KEY) {  // (sha256 keys: one fixed-size copy)
+        memcpy(k->w, p, P_MAX_KEY);
+        return;
+    }
+    memset(k->w, 0, sizeof k->w);
+    memcpy(k->w, p, (size_t)len);
 }
 
 static int grow(void **p, Py_ssize_t *cap, Py_ssize_t need, size_t size) {
@@ -263,6 +271,39 @@ static int grow(void **p, Py_ssize_t *cap, Py_ssize_t need, size_t size) {
     return 0;
 }
 
+// Copy an event's keys to the end of the queue's (not yet counted in): 1, or 0 for a key that
+// is not exact bytes of P_MIN_KEY to P_MAX_KEY. An insert right after its match, with the same
+// keys first (the engine's step), shares the match's copies: *at is then where they begin.
+static int copy_keys(Core *c, PyObject *keys, int match, Py_ssize_t *at, Py_ssize_t *copied) {
+    Py_ssize_t n = PyList_GET_SIZE(keys), from = 0;
+    Key *q = &c->qkeys[c->nqkeys];
+    *at = c->nqkeys;
+    const Event *prev = c->nevents ? &c->events[c->nevents - 1] : NULL;
+    int share = !match && prev != NULL && prev->match && prev->at + prev->n == c->nqkeys
+        && prev->n <= n;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *b = PyList_GET_ITEM(keys, i);
+        if (!PyBytes_CheckExact(b) || PyBytes_GET_SIZE(b) < P_MIN_KEY
+            || PyBytes_GET_SIZE(b) > P_MAX_KEY)
+            return 0;
+        if (share && i < prev->n) {  // still the match's keys?
+            const Key *m = &c->qkeys[prev->at + i];
+            if (m->len == (uint32_t)PyBytes_GET_SIZE(b)
+                && !memcmp(m->w, PyBytes_AS_STRING(b), m->len))
+                continue;
+            share = 0;
+            for (Py_ssize_t j = 0; j < i; j++) load_key(&q[j], PyList_GET_ITEM(keys, j));
+        }
+        load_key(&q[share ? i - prev->n : i], b);
+    }
+    if (share) {
+        *at = prev->at;
+        from = prev->n;
+    }
+    *copied = n - from;
+    return 1;
+}
+
 // Queue an event, its keys copied; play the queue once it holds `batch`. An event the core does
 // not take goes to on_refuse (the Shadow takes the state back and plays it in Python); with no
 // on_refuse, a ValueError. Either way nothing queued or played changes.
@@ -272,29 +313,25 @@ static PyObject *enqueue(Core *c, int match, PyObject *const *args, Py_ssize_t n
                                                : "insert(keys, checkpoint)");
         return NULL;
     }
+    PyObject *keys = args[0];
     long long value;
-    if (!event_ok(args[0], args[1], match, &value)) {
+    Py_ssize_t at, copied;
+    int ok = PyList_CheckExact(keys) && arg_ok(args[1], match, &value);
+    if (ok && (grow((void **)&c->qkeys, &c->cap_qkeys, c->nqkeys + PyList_GET_SIZE(keys),
+                    sizeof(Key)) < 0
+               || grow((void **)&c->events, &c->cap_events, c->nevents + 1, sizeof(Event)) < 0))
+        return NULL;
+    if (!ok || !copy_keys(c, keys, match, &at, &copied)) {
         if (c->on_refuse == NULL || c->on_refuse == Py_None) {
             PyErr_Format(PyExc_ValueError, "the core takes a list of bytes of %d to %d and %s",
                          P_MIN_KEY, P_MAX_KEY, match ? "an int of tokens" : "a bool");
             return NULL;
         }
-        return PyObject_CallFunctionObjArgs(c->on_refuse, match ? Py_True : Py_False, args[0],
+        return PyObject_CallFunctionObjArgs(c->on_refuse, match ? Py_True : Py_False, keys,
                                             args[1], NULL);
     }
-    Py_ssize_t n = PyList_GET_SIZE(args[0]);
-    if (grow((void **)&c->qkeys, &c->cap_qkeys, c->nqkeys + n, sizeof(Key)) < 0
-        || grow((void **)&c->events, &c->cap_events, c->nevents + 1, sizeof(Event)) < 0)
-        return NULL;
-    Key *k = &c->qkeys[c->nqkeys];
-    for (Py_ssize_t i = 0; i < n; i++, k++) {
-        PyObject *b = PyList_GET_ITEM(args[0], i);
-        memset(k->w, 0, sizeof k->w);
-        k->len = (uint32_t)PyBytes_GET_SIZE(b);
-        memcpy(k->w, PyBytes_AS_STRING(b), k->len);
-    }
-    c->events[c->nevents++] = (Event){match, n, c->nqkeys, value};
-    c->nqkeys += n;
+    c->events[c->nevents++] = (Event){match, PyList_GET_SIZE(keys), at, value};
+    c->nqkeys += copied;
     if (c->nevents >= c->batch && drain(c) < 0) return NULL;
     Py_RETURN_NONE;
 }

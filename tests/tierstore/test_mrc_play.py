@@ -208,6 +208,26 @@ def test_refused_input_changes_nothing() -> None:
             _p.Core(*args)
 
 
+def test_an_insert_shares_its_match_keys_only_while_they_are_the_same() -> None:
+    """The queue keeps one copy of the keys an insert has in common with the match before it;
+    an insert that parts from them (or is shorter) keeps its own, and plays as the pure twin."""
+    k = [hashlib.sha256(b"%d" % i).digest() for i in range(12)]
+    core, pure = twins({"l1": 2_000}, UNITS, rate=1.0, max_tracked=64)
+    steps = [(True, k[:4]), (False, k[:6]), (True, k[:4]), (False, k[:2] + k[8:10]),
+             (True, k[:6]), (False, k[:3]), (True, k[8:12]), (False, k[8:12]),
+             (True, k[:5]), (False, [k[0], k[9]] + k[2:5])]
+    for is_match, keys in steps:
+        for s in (core, pure):
+            if is_match:
+                s.reference(list(keys), PAGE * len(keys))
+            else:
+                s.insert(list(keys), True)
+    core.drain()
+    pure.drain()
+    assert_same_state(core, pure)
+    assert core.curves() == pure.curves()
+
+
 def test_a_shadow_with_an_l2_overlap_keeps_the_python_loop() -> None:
     assert Shadow({"l1": 1_000, "l2": 2_000}, UNITS, PAGE)._core is None
     assert Shadow({"l1": 1_000}, UNITS, PAGE)._core is not None
