@@ -182,17 +182,22 @@ class Attribution:
                 segs.append((seg.node, start, seg.pages))
             start += seg.pages
         for node, start, n in segs:
-            kv1, kv2, kv3 = node.ids(1, "kv"), node.ids(2, "kv"), node.ids(3, "kv")
-            kv4 = node.ids(4, "kv")  # the disk tier
-            for j in range(max(0, full - start), n):
-                if kv1[j] < 0 and kv2[j] < 0 and kv3[j] < 0 and kv4[j] < 0:
-                    found = start + j
-                    break
-            else:
-                if self.state and n == len(node.keys) and _has_checkpoint(node):
-                    last_ckpt = start + n
-                continue
-            break
+            # (Node.ids / Node.checkpoint of every tier, read without their calls)
+            p1, p2, p3, p4 = node._pages  # the disk tier last
+            kv1, first = p1["kv"], max(0, full - start)
+            if first >= n or min(kv1[first:n]) < 0:  # (usually L1 holds all: one C-level min)
+                kv2, kv3, kv4 = p2["kv"], p3["kv"], p4["kv"]
+                for j in range(first, n):
+                    if kv1[j] < 0 and kv2[j] < 0 and kv3[j] < 0 and kv4[j] < 0:
+                        found = start + j
+                        break
+                else:
+                    if self.state and n == len(node.keys) and max(node._state) >= 0:
+                        last_ckpt = start + n
+                    continue
+                break
+            if self.state and n == len(node.keys) and max(node._state) >= 0:
+                last_ckpt = start + n
         if found < 0:
             found = walked
         out[FOUND] = found
