@@ -401,10 +401,9 @@ class NoAttribution:
         return None
 
 
-def attribution_for(layout: ModelLayout, enabled: bool, *, ghost_capacity: int = DEFAULT_CAPACITY
-                    ) -> Attribution | NoAttribution:
+def attribution_for(layout: ModelLayout, enabled: bool) -> Attribution | NoAttribution:
     """A store's attribution: the real one, or the null one when switched off."""
-    return Attribution(layout, ghost_capacity=ghost_capacity) if enabled else NoAttribution()
+    return Attribution(layout) if enabled else NoAttribution()
 
 
 def match_fields(lost: Counts, evicted_from: Counts) -> dict[str, Counts]:

@@ -30,7 +30,6 @@ from typing import Protocol
 from tierstore.native import load
 
 DEFAULT_CAPACITY = 1 << 18  # pages remembered at most (at least half of it)
-MIN_CAPACITY = 1 << 14
 MAX_TIER = 4  # tier numbers 1-4 (tierstore.radix.Tier: L1, L2, L3, disk)
 
 
@@ -104,17 +103,6 @@ class PyGhostIndex:
             older = list(map(old.get, compress(hs, map(not_, tiers)), repeat(0)))
             counts = [older.count(0)] + [c + older.count(t) for t, c in enumerate(counts) if t]
         return counts
-
-
-def capacity_for(cached_pages: int | None) -> int:
-    """The ghost a store needs: 4x the pages its tiers hold (None: a tier of unknown size, such
-    as Redis, below them), within [MIN_CAPACITY, DEFAULT_CAPACITY]. A page dropped longer ago
-    than that many drops would not have been kept by tiers 4x as big either (the curves' largest
-    size), so it reads as ``cold``; a small store keeps a small table (bench ops at 2k pages:
-    2^14, 256 KB instead of 4 MB; ~1.5 points of the accounting's rise there)."""
-    if cached_pages is None:
-        return DEFAULT_CAPACITY
-    return min(DEFAULT_CAPACITY, max(MIN_CAPACITY, 4 * cached_pages))
 
 
 _c = load("tierstore._c_ghost")

@@ -25,7 +25,6 @@ from tierstore.config import StoreConfig
 from tierstore.disk import DiskBridge
 from tierstore.errors import LeaseError
 from tierstore.eviction import make_policy
-from tierstore.ghost import capacity_for
 from tierstore.hashing import PageHasher, check_namespace
 from tierstore.layout import ModelLayout
 from tierstore.ledger import Ledger
@@ -94,12 +93,7 @@ class TierStore:
         if self.disk is not None:  # what a previous run left on disk hits again
             self.disk.rebuild(self.index, self.disk.tier.recovered)
         # Why matches missed (its ghost hears of drops); a null object when switched off.
-        per_page = sum(e.nbytes for k, e in envelopes.items() if k in ("kv", "swa"))
-        held = None if config.remote is not None else (  # (pages its tiers hold, about)
-            config.capacity_bytes + config.host_capacity_bytes + config.disk_size_bytes
-        ) // max(per_page, 1)
-        self.attribution = attribution_for(layout, config.attribution,
-                                           ghost_capacity=capacity_for(held))
+        self.attribution = attribution_for(layout, config.attribution)
         self.mover.on_drop = self.attribution.on_drop
         retention = config.swa_retention
         if retention == "auto":

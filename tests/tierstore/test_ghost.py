@@ -273,23 +273,3 @@ def test_compiled_tally_equals_the_loops_and_rejects_bad_input() -> None:
     with pytest.raises(TypeError):
         _C.tally(_LOST, _EVICTED, c, {}, {})
     assert c == [0] * _SLOTS  # every bad item came first: nothing was added
-
-
-def test_a_store_sizes_its_ghost_to_its_tiers() -> None:
-    """4x the pages the tiers hold, within [2^14, 2^18]; a tier of unknown size below (Redis):
-    the most."""
-    from tierstore.config import StoreConfig
-    from tierstore.ghost import MIN_CAPACITY, capacity_for
-    from tierstore.layout import load_preset
-    from tierstore.store import TierStore
-
-    assert capacity_for(None) == DEFAULT_CAPACITY
-    assert capacity_for(10) == MIN_CAPACITY and capacity_for(10**9) == DEFAULT_CAPACITY
-    assert capacity_for(30_000) == 120_000
-    layout = load_preset("gpt-oss-20b", page_size=16)
-    page = sum(e.nbytes for k, e in layout.envelopes().items() if k in ("kv", "swa"))
-    for pages, host, want in [(2_000, 0, MIN_CAPACITY), (20_000, 100, 80_400),
-                              (500_000, 0, DEFAULT_CAPACITY)]:
-        store = TierStore(layout, StoreConfig(capacity_bytes=pages * page, device="meta",
-                                              host_capacity_bytes=host * page))
-        assert store.attribution.ghost.capacity == want
