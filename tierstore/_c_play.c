@@ -58,16 +58,8 @@ static int scan(Core *c, Py_ssize_t n, const Pending *known, int *has_ends) {
 
 static int push_touched(Pending *p, const Key *k, Py_ssize_t i) {
     if (vec_push(&p->at, i) < 0) return -1;
-    if (p->ntouched == p->cap_touched) {
-        Py_ssize_t cap = p->cap_touched ? 2 * p->cap_touched : 64;
-        Key *t = PyMem_Realloc(p->touched, (size_t)cap * sizeof *t);
-        if (t == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        p->touched = t;
-        p->cap_touched = cap;
-    }
+    if (grow((void **)&p->touched, &p->cap_touched, p->ntouched + 1, sizeof(Key)) < 0)
+        return -1;
     p->touched[p->ntouched++] = *k;
     return 0;
 }
@@ -257,20 +249,6 @@ static inline void load_key(Key *k, PyObject *b) {
     memcpy(k->w, p, (size_t)len);
 }
 
-static int grow(void **p, Py_ssize_t *cap, Py_ssize_t need, size_t size) {
-    if (need <= *cap) return 0;
-    Py_ssize_t to = *cap ? *cap : 64;
-    while (to < need) to *= 2;
-    void *q = PyMem_Realloc(*p, (size_t)to * size);
-    if (q == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    *p = q;
-    *cap = to;
-    return 0;
-}
-
 // Copy an event's keys to the end of the queue's (not yet counted in): 1, or 0 for a key that
 // is not exact bytes of P_MIN_KEY to P_MAX_KEY. An insert right after its match, with the same
 // keys first (the engine's step), shares the match's copies: *at is then where they begin.
@@ -316,6 +294,8 @@ static PyObject *enqueue(Core *c, int match, PyObject *const *args, Py_ssize_t n
     PyObject *keys = args[0];
     long long value;
     Py_ssize_t at, copied;
+    if (enter(c) < 0) return NULL;  // (checked only: no Python runs until the play, or below)
+    c->busy = 0;
     int ok = PyList_CheckExact(keys) && arg_ok(args[1], match, &value);
     if (ok && (grow((void **)&c->qkeys, &c->cap_qkeys, c->nqkeys + PyList_GET_SIZE(keys),
                     sizeof(Key)) < 0
@@ -332,7 +312,12 @@ static PyObject *enqueue(Core *c, int match, PyObject *const *args, Py_ssize_t n
     }
     c->events[c->nevents++] = (Event){match, PyList_GET_SIZE(keys), at, value};
     c->nqkeys += copied;
-    if (c->nevents >= c->batch && drain(c) < 0) return NULL;
+    if (c->nevents >= c->batch) {
+        c->busy = 1;
+        int rc = drain(c);
+        c->busy = 0;
+        if (rc < 0) return NULL;
+    }
     Py_RETURN_NONE;
 }
 
@@ -342,6 +327,17 @@ PyObject *core_match(Core *c, PyObject *const *args, Py_ssize_t nargs) {
 
 PyObject *core_insert(Core *c, PyObject *const *args, Py_ssize_t nargs) {
     return enqueue(c, 0, args, nargs);
+}
+
+// A finalizer run by the collector while the core builds Python objects (export) could call it
+// back: refused while it is busy, so no table it walks changes under it.
+int enter(Core *c) {
+    if (c->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "the shadow core is busy (a re-entrant call)");
+        return -1;
+    }
+    c->busy = 1;
+    return 0;
 }
 
 // Play the queue, in order, then drop the pages past the curves' depth once they doubled.

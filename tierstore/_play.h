@@ -96,6 +96,7 @@ typedef struct {
     Py_ssize_t nqkeys, cap_qkeys;     // hashed them), so the play reads no key object
     const Key *cur;                   // the playing event's keys
     PyObject *on_refuse;              // called with an event the core does not take
+    int busy;                         // playing or exporting: a re-entrant call is refused
     Vec ends, low, sampled;           // the event's scan
     Entry **order;                    // compaction's scratch: live entries in slot order
 } Core;
@@ -133,6 +134,7 @@ Entry *tab_get(const Table *t, const Key *k);
 int tab_reserve(Table *t, size_t more);
 Entry *tab_put(Table *t, const Key *k, int64_t code);  // k absent; room reserved
 void tab_del(Table *t, Entry *e);
+int grow(void **p, Py_ssize_t *cap, Py_ssize_t need, size_t size);  // room for need items
 int vec_push(Vec *v, Py_ssize_t x);
 int vec_copy(Vec *dst, const Vec *src);
 
@@ -152,5 +154,7 @@ extern PyTypeObject CoreType;
 PyObject *core_match(Core *c, PyObject *const *args, Py_ssize_t nargs);
 PyObject *core_insert(Core *c, PyObject *const *args, Py_ssize_t nargs);
 int drain(Core *c);
+int enter(Core *c);  // -1 (RuntimeError) when busy
+
 
 #endif

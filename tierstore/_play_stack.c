@@ -115,17 +115,22 @@ static int tab_filter(Table *t, int (*keep)(const Entry *, int64_t), int64_t arg
     return 0;
 }
 
-int vec_push(Vec *v, Py_ssize_t x) {
-    if (v->n == v->cap) {
-        Py_ssize_t cap = v->cap ? 2 * v->cap : 64;
-        Py_ssize_t *p = PyMem_Realloc(v->v, (size_t)cap * sizeof *p);
-        if (p == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        v->v = p;
-        v->cap = cap;
+int grow(void **p, Py_ssize_t *cap, Py_ssize_t need, size_t size) {
+    if (need <= *cap) return 0;
+    Py_ssize_t to = *cap ? *cap : 64;
+    while (to < need) to *= 2;
+    void *q = PyMem_Realloc(*p, (size_t)to * size);
+    if (q == NULL) {
+        PyErr_NoMemory();
+        return -1;
     }
+    *p = q;
+    *cap = to;
+    return 0;
+}
+
+int vec_push(Vec *v, Py_ssize_t x) {
+    if (grow((void **)&v->v, &v->cap, v->n + 1, sizeof *v->v) < 0) return -1;
     v->v[v->n++] = x;
     return 0;
 }

@@ -180,9 +180,13 @@ static PyObject *kind_hists(const Core *c) {
 // tracked pages and ends): what the curves read.
 static PyObject *core_tallies(Core *c, PyObject *unused) {
     (void)unused;
-    return Py_BuildValue("(NNNLLKKnn)", doubles(c->hist, c->nedges + 1), kind_hists(c),
-                         doubles(c->refs, P_KINDS), c->tokens, c->requests, c->threshold,
-                         c->end_threshold, (Py_ssize_t)c->pages.n - c->num_ends, c->num_ends);
+    if (enter(c) < 0) return NULL;
+    PyObject *out = Py_BuildValue(
+        "(NNNLLKKnn)", doubles(c->hist, c->nedges + 1), kind_hists(c), doubles(c->refs, P_KINDS),
+        c->tokens, c->requests, c->threshold, c->end_threshold,
+        (Py_ssize_t)c->pages.n - c->num_ends, c->num_ends);
+    c->busy = 0;
+    return out;
 }
 
 static PyObject *pending(const Core *c) {
@@ -201,8 +205,17 @@ static PyObject *pending(const Core *c) {
 }
 
 // The whole state as Python objects (a dict; see Shadow._take_back).
+static PyObject *export(Core *c);
+
 static PyObject *core_export(Core *c, PyObject *unused) {
     (void)unused;
+    if (enter(c) < 0) return NULL;
+    PyObject *out = export(c);
+    c->busy = 0;
+    return out;
+}
+
+static PyObject *export(Core *c) {
     PyObject *pages = PyDict_New();
     for (size_t i = 0; pages != NULL && i < c->pages.cap; i++) {
         const Entry *e = &c->pages.e[i];
@@ -226,14 +239,18 @@ static PyObject *core_export(Core *c, PyObject *unused) {
 
 static PyObject *core_drain(Core *c, PyObject *unused) {
     (void)unused;
-    if (drain(c) < 0) return NULL;
-    Py_RETURN_NONE;
+    if (enter(c) < 0) return NULL;
+    int rc = drain(c);
+    c->busy = 0;
+    return rc < 0 ? NULL : Py_NewRef(Py_None);
 }
 
 static PyObject *core_trim(Core *c, PyObject *unused) {
     (void)unused;
-    if (trim(c) < 0) return NULL;
-    Py_RETURN_NONE;
+    if (enter(c) < 0) return NULL;
+    int rc = trim(c);
+    c->busy = 0;
+    return rc < 0 ? NULL : Py_NewRef(Py_None);
 }
 
 static PyMethodDef core_methods[] = {

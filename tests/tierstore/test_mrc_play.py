@@ -5,6 +5,7 @@ back to the Python loop, which goes on as the pure twin does."""
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import math
 import random
@@ -14,6 +15,8 @@ import pytest
 
 from tierstore import mrc, mrc_stack
 from tierstore.mrc import Shadow
+
+from .test_mrc_native import workload as conversations
 
 PAGE = 16
 UNITS = {"kv": 100, "state": 700}
@@ -28,29 +31,25 @@ def _core(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def workload(n: int, seed: int) -> list[tuple[str, list[bytes], int]]:
-    """Matches and inserts of chained page keys: shared system prompts, conversations that grow
-    (zipf-ish reuse) and start over, some matches with no insert after them and some inserts of
-    other prompts, and empty prompts."""
-    rng = random.Random(seed)
-    convs: list[list[bytes]] = []
+    """test_mrc_native's conversations (a match, then its insert), with some matches left
+    without their insert, some inserts of another prompt or one page shorter, and empty
+    matches."""
+    rng = random.Random(seed + 1000)
+    steps = conversations(n, seed)
+    prompts = [keys for op, keys, _ in steps if op == "insert"]
     ops: list[tuple[str, list[bytes], int]] = []
-    for _ in range(n):
-        if not convs or rng.random() < 0.3:
-            system = hashlib.sha256(bytes([rng.randrange(4)])).digest()
-            convs.append([system, hashlib.sha256(system).digest()])
-        c = convs[min(int(rng.paretovariate(1.2)) - 1, len(convs) - 1)]
-        if len(c) > 40:
-            del c[2:]
-        for _ in range(rng.randrange(1, 4)):
-            c.append(hashlib.sha256(c[-1] + rng.randbytes(8)).digest())
+    for op, keys, n_tokens in steps:
+        if op == "match":
+            if rng.random() < 0.02:
+                ops.append(("match", [], rng.randrange(PAGE)))
+            ops.append((op, keys, n_tokens))
+            continue
         r = rng.random()
-        if r < 0.85:
-            ops.append(("match", c[:-1], (len(c) - 1) * PAGE + rng.randrange(PAGE)))
-        if r < 0.02:
-            ops.append(("match", [], rng.randrange(PAGE)))
-        if r > 0.1:
-            other = convs[rng.randrange(len(convs))] if rng.random() < 0.1 else c
-            ops.append(("insert", list(other[:len(other) - rng.randrange(2)]), 0))
+        if r < 0.1:
+            continue  # the match's touch is left to the next match
+        if r < 0.2:
+            keys = prompts[rng.randrange(len(prompts))]
+        ops.append(("insert", keys[:len(keys) - rng.randrange(2)] or keys, 0))
     return ops
 
 
@@ -183,7 +182,8 @@ def test_refused_input_changes_nothing() -> None:
     assert before["queued"] > 0
     good = [b"k" * 32]
     bad_keys = ["no list", tuple(good), [b"x" * 33], [good[0], "str"], [b"short"]]
-    cases = [(hook, keys, 1) for keys in bad_keys for hook in (c.match, c.insert)]
+    cases: list[tuple[Any, Any, Any]] = [(hook, keys, 1) for keys in bad_keys
+                                         for hook in (c.match, c.insert)]
     cases += [(c.match, good, arg) for arg in (5.0, 1 << 70, "5", True)]
     cases += [(c.insert, good, arg) for arg in (1.0, "yes", None)]
     for hook, keys, arg in cases:
@@ -231,3 +231,52 @@ def test_an_insert_shares_its_match_keys_only_while_they_are_the_same() -> None:
 def test_a_shadow_with_an_l2_overlap_keeps_the_python_loop() -> None:
     assert Shadow({"l1": 1_000, "l2": 2_000}, UNITS, PAGE)._core is None
     assert Shadow({"l1": 1_000}, UNITS, PAGE)._core is not None
+
+
+def test_a_call_back_into_the_core_while_it_exports_is_refused() -> None:
+    """The collector may run a finalizer while the core builds its Python objects: a call back
+    into the core then is refused (RuntimeError), and the export is whole. From on_refuse the
+    core may be called again (nothing is in flight there)."""
+    core, pure = twins({"l1": 20_000}, UNITS, max_tracked=64)
+    for op, keys, n in workload(200, seed=7):
+        for s in (core, pure):
+            if op == "match":
+                s.reference(list(keys), n)
+            else:
+                s.insert(list(keys), True)
+    c = core._core
+    c.drain()
+    seen: list[str] = []
+
+    def back(phase: str, info: dict[str, Any]) -> None:
+        for call in (c.drain, c.tallies, c.export, c.trim, lambda: c.match([b"k" * 32], 16)):
+            try:
+                call()
+                seen.append("ran")
+            except RuntimeError:
+                seen.append("refused")
+
+    old = gc.get_threshold()
+    hold: list[object] = [[] for _ in range(500)] + [{} for _ in range(500)]  # (no free lists)
+    gc.callbacks.append(back)
+    gc.set_threshold(1)
+    try:
+        got = c.export()
+    finally:
+        gc.set_threshold(*old)
+        gc.callbacks.remove(back)
+    del hold
+    assert seen and set(seen) == {"refused"}
+    pure.drain()
+    assert got["pages"] == pure._pages and got["values"] == pure._tree.values
+
+    calls: list[int] = []
+
+    def refuse(is_match: bool, keys: Any, arg: Any) -> None:
+        c.drain()
+        c.match([b"r" * 32], 16)
+        calls.append(len(keys))
+
+    c.on_refuse = refuse
+    assert c.match([b"short"], 16) is None and calls == [1]
+    assert c.export()["queued"] == 1
