@@ -62,7 +62,8 @@ from tierstore.store import TierStore
 OPS = ("match", "allocate", "insert", "release", "evict", "accounting")
 # Observability the store does per request besides caching (miss attribution, the miss-ratio
 # shadow): timed apart, as ``accounting``, so the caching work stays comparable across commits.
-_ACCOUNTING = (("mrc", "reference"), ("mrc", "insert"), (None, "_explain"), (None, "_settle"),
+_ACCOUNTING = (("mrc", "reference"), ("mrc", "insert"), ("attribution", "explain"),
+               ("attribution", "settle"),
                ("mover", "on_drop"))  # on_drop: the ghost index hears of dropped pages
 # CPU time of this thread: the loop is pure CPU work (no I/O on a meta / CPU arena without
 # tiers), and on a shared machine wall time mostly measures the other processes.
