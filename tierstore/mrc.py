@@ -525,10 +525,8 @@ class Shadow:
         the tiers below kept as they are), and per kind the share of referenced entries it
         would hold. Plus the sampling state."""
         self.drain()
-        if self._core is not None:
-            hist, kind_hist, refs, tokens, requests, thr, ethr, _, ends = self._core.tallies()
-            self._tallies(hist, kind_hist, refs, tokens, requests)
-            self.threshold, self.end_threshold, self._num_ends = thr, ethr, ends
+        if self._core is not None:  # (read's rates and tracked counts ask the core)
+            self._tallies(*self._core.tallies()[:5])
         return mrc_curves.read(self)
 
 
