@@ -9,12 +9,13 @@ least the last ``capacity / 2`` drops and never more than ``capacity`` (plus one
 :data:`GhostIndex` is the compiled one (``tierstore/_c_ghost.c``) where it is built: each
 generation an open-addressing table of 64-bit words, a 61-bit fingerprint of the page key's
 bytes and the tier in 3 bits, no Python object per page: 16-32 bytes per remembered page, 4 MB
-at the default 2^18 pages. In the store's loop it is what made the ghost cheap: the dicts kept
-every dropped key object alive (105-140 bytes a page, 28-37 MB), and their inserts, cold slots
-and cold keys, cost ~20 µs a request there (~5 compiled, the keys and slots prefetched so
-their misses overlap). Two keys with one fingerprint are one entry, so a cold page reads as
-``evicted`` with probability at most ``n / 2^61`` per lookup (< 1.2e-13 at 2^18 pages); it only
-moves the page between ``cold`` and ``evicted``, never out of the prompt's sum.
+at the default 2^18 pages, both generations allocated (and faulted in) when it is built. In
+the store's loop it is what made the ghost cheap: the dicts kept every dropped key object
+alive (105-140 bytes a page, 28-37 MB), and their inserts, cold slots and cold keys, cost
+~20 µs a request there (~5 compiled, the keys and slots prefetched so their misses overlap).
+Two keys with one fingerprint are one entry, so a cold page reads as ``evicted`` with
+probability at most ``n / 2^61`` per lookup (< 1.2e-13 at 2^18 pages); it only moves the page
+between ``cold`` and ``evicted``, never out of the prompt's sum.
 :class:`PyGhostIndex` is the pure-Python path (``TIERSTORE_PURE_PYTHON=1``, or no compiler):
 dicts keyed by the keys themselves, exact, with the same answers but for that collision case.
 """
