@@ -55,6 +55,7 @@ _TENANT_MARK = "|"  # tierstore.hashing's {tenant}|{namespace} form of a tenant'
 _LOST = {r: 5 + i for i, r in enumerate(REASONS)}
 _EVICTED = {t: 5 + len(REASONS) + i for i, t in enumerate(_TIERS[1:])}
 _SLOTS = 5 + len(REASONS) + 4
+_COLD, _PARTIAL = _LOST["cold"], _LOST["partial_page"]
 
 Counts = dict[str, int]
 PlanList = Sequence[tuple[int, str]]
@@ -238,6 +239,38 @@ class Attribution:
                 _add(lost, "evicted", counts[tier] * page)
                 _add(evicted, _TIERS[tier], counts[tier] * page)
 
+    def settle_held(self, namespace: str, n_tokens: int, keys: Sequence[bytes],
+                    path: Sequence[Segment], pages: int, sources: dict[int, int]
+                    ) -> tuple[Counts, Counts]:
+        """:meth:`explain` and :meth:`settle` of a match whose index walk ``path`` L1 holds
+        whole (:func:`tierstore.rule.held_in_l1`): its ``pages`` pages, the prefix the rule
+        allows counting every tier too, served from L1 with nothing to promote. The index
+        names nothing past them, so when the ghost does not remember the next page either (a
+        new prompt's tail: the usual case) the rest is ``cold``, settled here in one step."""
+        n_full, page = len(keys), self.page
+        if pages < n_full and keys[pages] in self.ghost:  # it says how much it remembers
+            return self.settle(namespace, n_tokens, n_full, self.explain(path, keys, pages),
+                               [(pages, "ok")], pages, sources)
+        # settle's count, spelled out for what this case can hold (L1 hits, cold, the tail)
+        c = self._counts.get(namespace)
+        if c is None:
+            c = self._counts[namespace] = [0] * _SLOTS
+        c[1] += pages
+        lost: Counts = {}
+        if pages < n_full:
+            lost["cold"] = cold = (n_full - pages) * page
+            c[_COLD] += cold
+        tail = n_tokens - n_full * page
+        if tail:
+            lost["partial_page"] = tail
+            c[_PARTIAL] += tail
+        self._w_shared += pages
+        self._w_requests += 1
+        if self._w_requests >= self.window:
+            self._check_window()
+            self._reset_window()
+        return lost, {}
+
     def settle(self, namespace: str, n_tokens: int, n_pages: int, why: Explanation,
                plans: PlanList, served: int, sources: dict[int, int]) -> tuple[Counts, Counts]:
         """Lost tokens by reason (and evicted ones by tier) of a match of ``n_tokens`` tokens
@@ -395,6 +428,11 @@ class NoAttribution:
 
     def settle(self, namespace: str, n_tokens: int, n_pages: int, why: Explanation,
                plans: PlanList, served: int, sources: dict[int, int]) -> tuple[Counts, Counts]:
+        return {}, {}
+
+    def settle_held(self, namespace: str, n_tokens: int, keys: Sequence[bytes],
+                    path: Sequence[Segment], pages: int, sources: dict[int, int]
+                    ) -> tuple[Counts, Counts]:
         return {}, {}
 
     def snapshot(self) -> None:

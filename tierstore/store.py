@@ -164,14 +164,17 @@ class TierStore:
         held = rule.held_in_l1(path, swa=self._swa, state=self._state, window=self._window)
         if held is not None:  # the common hit: L1 holds the whole path, the rule keeps it all
             pages = held[0]
-            why = self.attribution.explain(path, keys, pages if full is None else full)
-            node = self.index.node_ending_at(path)  # (a split keeps the ids held found)
-            self.index.lock(node, +1)
             # nothing to promote: what Mover.promote returns for it
             sources = {1: pages, 2: 0, 3: 0, 4: 0} if self.disk is not None \
                 else {1: pages, 2: 0, 3: 0}
-            settled = self.attribution.settle(namespace, n_tokens, len(keys), why,
-                                              [(pages, "ok")], pages, sources)
+            # (settled before node_ending_at may split what the walk saw)
+            settled = self.attribution.settle_held(namespace, n_tokens, keys, path, pages,
+                                                   sources) if full is None else \
+                self.attribution.settle(namespace, n_tokens, len(keys),
+                                        self.attribution.explain(path, keys, full),
+                                        [(pages, "ok")], pages, sources)
+            node = self.index.node_ending_at(path)  # (a split keeps the ids held found)
+            self.index.lock(node, +1)
             if self._selective:  # (write-through after N hits: _hit backs the nodes up)
                 return self._hit(node, path, pages, pages, sources, priority, settled, held)
             # what _hit does for an all-L1 hit, without its call

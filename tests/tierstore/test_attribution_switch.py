@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -94,6 +95,46 @@ def test_each_part_switches_alone() -> None:
     assert isinstance(only_mrc.attribution, NoAttribution) and isinstance(only_mrc.mrc, Shadow)
     _run(only_mrc, _workload(seed=2, n=40))
     assert only_mrc.stats().mrc is not None and only_mrc.stats().attribution is None
+
+
+def test_held_shortcut_settles_as_explain_and_settle() -> None:
+    """A match L1 serves whole is settled in one step (``Attribution.settle_held``): against a
+    store whose ``settle_held`` is ``explain`` + ``settle`` spelled out, every match gets the
+    same split, and the totals, the warning window and the ghost end the same. Both of its
+    ways ran: the next page cold, and remembered by the ghost (handed to ``explain``)."""
+    took = {"cold": 0, "remembered": 0}
+    cases = [(HYBRID, 4, 0, 16), (HYBRID, 6, 4, 8), (SWA_ONLY, 5, 0, 16), (HYBRID, 3, 3, 1024)]
+    for seed, (config, l1, l2, capacity) in enumerate(cases):
+        fast, slow = (_store(config, on=True, l1_pages=l1, l2_pages=l2) for _ in range(2))
+        f, a = fast.attribution, slow.attribution
+        assert isinstance(f, Attribution) and isinstance(a, Attribution)
+        for x in (f, a):
+            x.ghost.__init__(capacity)  # type: ignore[misc]  # small: generations rotate
+            x.window = 16  # the window's check runs often
+
+        def spelled_out(namespace: str, n_tokens: int, keys: Sequence[bytes],
+                        path: Sequence[Segment], pages: int, sources: dict[int, int],
+                        a: Attribution = a) -> tuple[dict[str, int], dict[str, int]]:
+            why = a.explain(path, keys, pages)
+            return a.settle(namespace, n_tokens, len(keys), why, [(pages, "ok")], pages,
+                            sources)
+
+        def counted(namespace: str, n_tokens: int, keys: Sequence[bytes],
+                    path: Sequence[Segment], pages: int, sources: dict[int, int],
+                    f: Attribution = f, held: Any = f.settle_held
+                    ) -> tuple[dict[str, int], dict[str, int]]:
+            if pages < len(keys):
+                took["remembered" if keys[pages] in f.ghost else "cold"] += 1
+            return held(namespace, n_tokens, keys, path, pages, sources)
+
+        a.settle_held = spelled_out  # type: ignore[method-assign]
+        f.settle_held = counted  # type: ignore[method-assign]
+        ops = _workload(seed=20 + seed, n=600)
+        assert _run(fast, ops) == _run(slow, ops)
+        assert f.snapshot() == a.snapshot()
+        window = ("_w_requests", "_w_shared", "_w_base", "_w_share", "_w_next")
+        assert [getattr(f, w) for w in window] == [getattr(a, w) for w in window]
+    assert took["cold"] > 40 and took["remembered"] > 10, took
 
 
 def _slow(ghost_tier: object, keys: Sequence[bytes], walked: int) -> tuple[dict, dict]:
