@@ -147,11 +147,44 @@ static int reference(Core *c, Py_ssize_t n, long long n_tokens) {  // Shadow._re
     return reads(c, has_ends, has_ends ? c->ends.v[c->ends.n - 1] : n - 1);
 }
 
+static void mark_end(Core *c, const Key *k) {
+    long b = end_bit(k, c->end_bits);
+    c->bits[b >> 3] |= (unsigned char)(1 << (b & 7));
+}
+
+static void mark_ends(Core *c, const Table *t) {
+    for (size_t i = 0; i < t->cap; i++)
+        if (t->e[i].used) mark_end(c, (const Key *)t->e[i].w);
+}
+
+// The prefilter grows with the end set, to keep P_BITS_PER_END bits an end (so it passes at
+// most ~6% of other keys on to the tables). It starts at 2^18 bits (32 KB, near the CPU for the
+// few thousand ends of a young store); fixed there, ~40% of keys went on to the tables once
+// the two generations held their 131k ends at the default (2^21 bits now, 256 KB): ~2 us a
+// request more after ~80k checkpoints (`bench ops`' loop over 160k requests, qwen3-next).
+// It stops at all 24 bits of the key it reads (2 MB).
+static int grow_end_bits(Core *c) {
+    size_t ends = c->young.n + c->old.n, nbits = c->end_bits;
+    while (ends * P_BITS_PER_END > nbits && nbits < P_END_BITS_MAX) nbits *= 2;
+    if (nbits == c->end_bits) return 0;
+    unsigned char *bits = PyMem_Calloc(nbits / 8, 1);
+    if (bits == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    PyMem_Free(c->bits);
+    c->bits = bits;
+    c->end_bits = nbits;
+    mark_ends(c, &c->young);
+    mark_ends(c, &c->old);
+    return 0;
+}
+
 static int add_end(Core *c, const Key *k) {
     if (tab_reserve(&c->young, 1) < 0) return -1;
     tab_put(&c->young, k, 0);
-    long b = end_bit(k);
-    c->bits[b >> 3] |= (unsigned char)(1 << (b & 7));
+    mark_end(c, k);
+    if ((c->young.n + c->old.n) * P_BITS_PER_END > c->end_bits) return grow_end_bits(c);
     return 0;
 }
 
@@ -163,12 +196,8 @@ static int rotate(Core *c) {  // the older generation is forgotten
     c->young = fresh;
     c->young_n = 0;
     c->rotated = 1;
-    memset(c->bits, 0, P_END_BITS / 8);
-    for (size_t i = 0; i < c->old.cap; i++)
-        if (c->old.e[i].used) {
-            long b = end_bit((const Key *)c->old.e[i].w);
-            c->bits[b >> 3] |= (unsigned char)(1 << (b & 7));
-        }
+    memset(c->bits, 0, c->end_bits / 8);
+    mark_ends(c, &c->old);
     return 0;
 }
 

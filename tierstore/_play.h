@@ -18,7 +18,9 @@
 #define P_MIN_KEY 8               // keys carry both thresholds' bytes (0-3 pages, 4-7 ends)
 #define P_MAX_KEY 32              // ... and fit an entry (sha256: 32, xxh3-128: 16)
 #define P_TRIM_MIN 1024           // mrc_stack.TRIM_MIN
-#define P_END_BITS (1 << 18)      // the end prefilter: bits on key bytes 8-10
+#define P_END_BITS (1 << 18)      // the end prefilter's bits at first (on key bytes 8-10) ...
+#define P_END_BITS_MAX (1 << 24)  // ... and at most (all 24 bits of them)
+#define P_BITS_PER_END 16         // ... grown to keep at least this many bits per end
 #define P_KINDS 3                 // kv, swa, state
 
 // A page key's bytes, zero-padded, and its length.
@@ -81,7 +83,8 @@ typedef struct {
     Table young, old;                 // candidate ends, two generations
     Py_ssize_t young_n;               // ends added to the young generation
     int rotated;                      // an older generation was forgotten
-    unsigned char *bits;              // the ends' prefilter (both generations)
+    unsigned char *bits;              // the ends' prefilter (both generations) ...
+    size_t end_bits;                  // ... of this many bits (a power of two)
     double *edges;                    // the sizes the curves read
     Py_ssize_t nedges;
     double *hist;                     // hit tokens by distance bin (nedges + 1), weighted
@@ -121,10 +124,11 @@ static inline int key_eq(const Key *a, const Entry *e) {
         && a->w[2] == e->w[2] && a->w[3] == e->w[3];
 }
 
-static inline long end_bit(const Key *k) {
+// A key's bit in a prefilter of `nbits` bits (its bytes 8-10, as _mrc.h's end_bit at 2^18).
+static inline long end_bit(const Key *k, size_t nbits) {
     const unsigned char *p = (const unsigned char *)k->w;
     return (long)(((unsigned long)p[8] << 16 | (unsigned long)p[9] << 8 | p[10])
-                  & (P_END_BITS - 1));
+                  & (nbits - 1));
 }
 
 // tables (_play_stack.c)

@@ -163,7 +163,7 @@ double suffix(const Core *c, Py_ssize_t i, Py_ssize_t end) {  // Slots.suffix
 }
 
 int is_end(const Core *c, const Key *k) {
-    long b = end_bit(k);
+    long b = end_bit(k, c->end_bits);
     if (!(c->bits[b >> 3] >> (b & 7) & 1)) return 0;
     return tab_get(&c->young, k) != NULL || tab_get(&c->old, k) != NULL;
 }

@@ -99,6 +99,7 @@ static PyObject *core_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) 
     c->nblocks = (nslots + (1 << P_SHIFT) - 1) >> P_SHIFT;
     c->trim_at = P_TRIM_MIN;
     c->batch = batch;
+    c->end_bits = P_END_BITS;
     if (read_edges(c, edges) < 0) goto fail;
     if ((c->values = zeros((size_t)nslots, sizeof(double))) == NULL
         || (c->sums = zeros((size_t)c->nblocks, sizeof(double))) == NULL
@@ -227,14 +228,14 @@ static PyObject *export(Core *c) {
     }
     if (pages == NULL) return NULL;
     return Py_BuildValue(
-        "{sNsNsNsnsnsNsNsnsisKsKsnsNsNsNsLsLsNsn}", "pages", pages,
+        "{sNsNsNsnsnsNsNsnsisKsKsnsNsNsNsLsLsNsnsn}", "pages", pages,
         "values", doubles(c->values, c->nslots), "sums", doubles(c->sums, c->nblocks),
         "clock", c->clock, "num_ends", c->num_ends, "young", key_list(&c->young),
         "old", key_list(&c->old), "young_n", c->young_n, "rotated", c->rotated,
         "threshold", c->threshold, "end_threshold", c->end_threshold, "trim_at", c->trim_at,
         "hist", doubles(c->hist, c->nedges + 1), "kind_hist", kind_hists(c),
         "refs", doubles(c->refs, P_KINDS), "tokens", c->tokens, "requests", c->requests,
-        "pending", pending(c), "queued", c->nevents);
+        "pending", pending(c), "queued", c->nevents, "end_bits", (Py_ssize_t)c->end_bits);
 }
 
 static PyObject *core_drain(Core *c, PyObject *unused) {

@@ -141,6 +141,39 @@ def test_the_serving_default_over_a_long_stream() -> None:
     assert_same_state(core, pure)
 
 
+def test_the_end_prefilter_grows_with_the_end_set() -> None:
+    """The core's end prefilter starts at 2^18 bits and doubles while the ends (both
+    generations) have fewer than 16 bits each: 2^20 for the 40,000 here, the first doubling
+    right after a rotation. It only rules keys out, so
+    the ends found stay the pure twin's: past the growth, matches of old ends, young ends and
+    fresh keys leave both in the same state."""
+    core, pure = twins({"l1": 20_000}, UNITS, max_tracked=8192)  # ends rotate at 32,768
+
+    def key(i: int) -> bytes:
+        return hashlib.sha256(i.to_bytes(8, "little")).digest()
+
+    for i in range(40_000):
+        for s in (core, pure):
+            s.insert([key(i)], True)
+    core.drain()
+    pure.drain()
+    assert_same_state(core, pure)
+    state = core._core.export()
+    assert len(state["old"]) == 32_768 and len(state["young"]) == 40_000 - 32_768
+    assert state["end_bits"] == 1 << 20
+    rng = random.Random(5)
+    for j in range(600):
+        keys = [key(rng.randrange(45_000)) for _ in range(rng.randrange(1, 9))]
+        for s in (core, pure):
+            s.reference(list(keys), len(keys) * PAGE)
+            if j % 3 == 0:
+                s.insert(list(keys), j % 2 == 0)
+    core.drain()
+    pure.drain()
+    assert_same_state(core, pure)
+    assert core.curves() == pure.curves()
+
+
 @pytest.mark.parametrize("its_insert_first", [False, True])
 def test_a_queue_the_core_refuses_hands_its_state_back(its_insert_first: bool) -> None:
     """Keys the core does not take (shorter than 8 bytes, a tuple) mid-stream: the shadow plays
