@@ -23,6 +23,7 @@ slots_c = load("gpu_arena._c_slots")
 ghost_c = load("tierstore._c_ghost")
 mrc_c = load("tierstore._c_mrc")
 chain_c = load("tierstore._c_chain")
+held_c = load("tierstore._c_held")
 
 
 def _skip_unless(module: object, name: str) -> pytest.MarkDecorator:
@@ -33,6 +34,7 @@ needs_slots = _skip_unless(slots_c, "gpu_arena._c_slots")
 needs_ghost = _skip_unless(ghost_c, "tierstore._c_ghost")
 needs_mrc = _skip_unless(mrc_c, "tierstore._c_mrc")
 needs_chain = _skip_unless(chain_c, "tierstore._c_chain")
+needs_held = _skip_unless(held_c, "tierstore._c_held")
 
 SLOTS_PRELUDE = """
 import numpy as np
@@ -389,6 +391,38 @@ def test_ghost_tally_holds_the_count_over_a_key_hash() -> None:
         churn = [int("7" * 31) + i for i in range(256)] + [b"x" * (i % 64) for i in range(256)]
         got = c[3]  # (a dangling item reads as whatever reused its memory)
         assert got == 0 or (type(got) is int and got == int("9" * 31)), f"freed memory: {got!r}"
+    """)
+
+
+@needs_held
+def test_held_survives_a_namespace_and_a_ghost_that_change_what_it_holds() -> None:
+    """settle looks the namespace up (its __eq__ may empty the counts dict that lends the
+    counters) and asks the ghost (a __contains__ may empty the keys list): it holds what it
+    goes on with, so the counters it adds to stay alive and the keys it read stay read."""
+    run_case("""
+        from tierstore._c_held import Held
+
+        class Namespace(str):
+            def __hash__(self):
+                return hash("default")
+
+            def __eq__(self, other):
+                counts.clear()  # drops the dict's reference to the counters
+                junk.extend([int("8" * 31) + i] * 9 for i in range(64))
+                return True
+
+        class Ghost:
+            def __contains__(self, key):
+                keys.clear()
+                return False
+
+        junk = []
+        counts = {"default": [int("9" * 31)] * 9}
+        keys = [b"a" * 32, b"b" * 32]
+        held = Held(Ghost(), counts, 16, (9, 1, 5, 7), print, lambda: None, 100)
+        lost, evicted = held.settle(Namespace("x"), 33, keys, None, 1, {})
+        assert lost == {"cold": 16, "partial_page": 1} and evicted == {}, lost
+        assert held.requests == 1 and held.shared == 1
     """)
 
 

@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from tierstore.ghost import DEFAULT_CAPACITY, Ghost, GhostIndex
+from tierstore.held import Held
 from tierstore.native import load
 
 if TYPE_CHECKING:
@@ -139,11 +140,27 @@ class Attribution:
         self.on_drop: Callable[[list[bytes], int], None] | None = self.ghost.add
         self.tenant_of = tenant_of
         self._counts: dict[str, list[int]] = {}  # namespace -> slots (see _SLOTS)
-        self.window = window
+        # The usual match (L1 serves it whole) is counted in one call; it holds the warning
+        # window's match and cached-KV counts, which settle adds to as well.
+        self._w = Held(self.ghost, self._counts, self.page, (_SLOTS, 1, _COLD, _PARTIAL),
+                       self._settle_spelled_out, self._window_full, window)
+        # (settle_held: the store's call; an instance attribute, so no Python frame is made)
+        self.settle_held: Callable[..., tuple[Counts, Counts]] = self._w.settle
         self.warn_every_s = warn_every_s
         self.warnings = 0
         self._last_warn = -float("inf")
         self._reset_window()
+
+    @property
+    def window(self) -> int:
+        """Matches the near-zero-hit check looks back over."""
+        return self._w.window
+
+    @window.setter
+    def window(self, matches: int) -> None:
+        if matches < 1:
+            raise ValueError(f"window must be >= 1 matches, got {matches}")
+        self._w.window = matches
 
     # ------------------------------------------------------------------ per match
     def explain(self, path: Sequence[Segment], keys: Sequence[bytes], full: int
@@ -239,37 +256,17 @@ class Attribution:
                 _add(lost, "evicted", counts[tier] * page)
                 _add(evicted, _TIERS[tier], counts[tier] * page)
 
-    def settle_held(self, namespace: str, n_tokens: int, keys: Sequence[bytes],
-                    path: Sequence[Segment], pages: int, sources: dict[int, int]
-                    ) -> tuple[Counts, Counts]:
+    def _settle_spelled_out(self, namespace: str, n_tokens: int, keys: Sequence[bytes],
+                            path: Sequence[Segment], pages: int, sources: dict[int, int]
+                            ) -> tuple[Counts, Counts]:
         """:meth:`explain` and :meth:`settle` of a match whose index walk ``path`` L1 holds
         whole (:func:`tierstore.rule.held_in_l1`): its ``pages`` pages, the prefix the rule
-        allows counting every tier too, served from L1 with nothing to promote. The index
-        names nothing past them, so when the ghost does not remember the next page either (a
-        new prompt's tail: the usual case) the rest is ``cold``, settled here in one step."""
-        n_full, page = len(keys), self.page
-        if pages < n_full and keys[pages] in self.ghost:  # it says how much it remembers
-            return self.settle(namespace, n_tokens, n_full, self.explain(path, keys, pages),
-                               [(pages, "ok")], pages, sources)
-        # settle's count, spelled out for what this case can hold (L1 hits, cold, the tail)
-        c = self._counts.get(namespace)
-        if c is None:
-            c = self._counts[namespace] = [0] * _SLOTS
-        c[1] += pages
-        lost: Counts = {}
-        if pages < n_full:
-            lost["cold"] = cold = (n_full - pages) * page
-            c[_COLD] += cold
-        tail = n_tokens - n_full * page
-        if tail:
-            lost["partial_page"] = tail
-            c[_PARTIAL] += tail
-        self._w_shared += pages
-        self._w_requests += 1
-        if self._w_requests >= self.window:
-            self._check_window()
-            self._reset_window()
-        return lost, {}
+        allows counting every tier too, served from L1 with nothing to promote. The store calls
+        :attr:`settle_held` (:mod:`tierstore.held`), which counts the usual case itself (the
+        ghost does not remember the page after the prefix: all past it is ``cold``) and hands
+        this the rest."""
+        return self.settle(namespace, n_tokens, len(keys), self.explain(path, keys, pages),
+                           [(pages, "ok")], pages, sources)
 
     def settle(self, namespace: str, n_tokens: int, n_pages: int, why: Explanation,
                plans: PlanList, served: int, sources: dict[int, int]) -> tuple[Counts, Counts]:
@@ -291,14 +288,14 @@ class Attribution:
             c = self._counts[namespace] = [0] * _SLOTS
         _tally(_LOST, _EVICTED, c, sources, lost, evicted)
         # the KV some tier holds reaches at least as far as what was served
-        self._w_shared += found if found > served else served
+        w = self._w
+        w.shared += found if found > served else served
         if "no_checkpoint" in lost:
             self._w_share.append(found * self.page)
             self._w_next.append(next_checkpoint * self.page)
-        self._w_requests += 1
-        if self._w_requests >= self.window:
-            self._check_window()
-            self._reset_window()
+        w.requests += 1
+        if w.requests >= w.window:
+            self._window_full()
         return lost, evicted
 
     def _short(self, lost: Counts, evicted: Counts, full: int, plans: PlanList,
@@ -329,8 +326,12 @@ class Attribution:
             out = [a + b for a, b in zip(out, c, strict=True)]
         return out
 
+    def _window_full(self) -> None:
+        self._check_window()
+        self._reset_window()
+
     def _reset_window(self) -> None:
-        self._w_requests = self._w_shared = 0  # shared: pages of cached KV
+        self._w.requests = self._w.shared = 0  # shared: pages of cached KV
         self._w_base = self._sums()  # the totals when the window began
         self._w_share: list[int] = []  # tokens of cached KV, per no_checkpoint request
         self._w_next: list[int] = []  # nearest checkpoint past it, per such request
@@ -346,7 +347,7 @@ class Attribution:
         """Warn (at most every ``warn_every_s``) when under 2% of the window's tokens hit
         although at least 20% had their KV cached: prompts share prefixes the rule cannot use."""
         tokens, hit, _ = self._window()
-        if not tokens or hit > 0.02 * tokens or self._w_shared * self.page < 0.2 * tokens:
+        if not tokens or hit > 0.02 * tokens or self._w.shared * self.page < 0.2 * tokens:
             return
         now = time.monotonic()
         if now - self._last_warn < self.warn_every_s:
@@ -370,8 +371,8 @@ class Attribution:
             parts[0] += (f" — prompts share a median {share:,.0f} tokens of cached KV, "
                          f"{where}")
         return (f"prefix cache hit {hit / max(1, tokens):.1%} of {tokens:,} prompt "
-                f"tokens over the last {self._w_requests} requests although "
-                f"{self._w_shared * self.page / max(1, tokens):.0%} had their KV cached; "
+                f"tokens over the last {self._w.requests} requests although "
+                f"{self._w.shared * self.page / max(1, tokens):.0%} had their KV cached; "
                 + "; ".join(parts))
 
     # ------------------------------------------------------------------ reading
