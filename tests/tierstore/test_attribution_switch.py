@@ -1,6 +1,7 @@
 """The accounting switch (``StoreConfig.attribution`` / ``mrc``: off, the store keeps null
-parts and caches exactly as with them on) and the ghost's one-lookup shortcut (equal to
-counting every missing page)."""
+parts and caches exactly as with them on), the ghost's one-lookup shortcut (equal to
+counting every missing page) and the one-step count of a match L1 serves whole (equal to
+``explain`` + ``settle``)."""
 
 from __future__ import annotations
 
