@@ -175,26 +175,24 @@ static void block_sums(Core *c) {  // Slots(values): a sum per block, afresh
     }
 }
 
-static int by_code(const void *a, const void *b) {
-    int64_t x = (*(Entry *const *)a)->code, y = (*(Entry *const *)b)->code;
-    return (x > y) - (x < y);
-}
-
 // mrc_stack.compact: the live slots renumbered 0..n-1 in recency order. (A page on the move has
-// a negative code: off the stack, as in the pure loop.)
+// a negative code: off the stack, as in the pure loop.) Each live page holds a slot of its own,
+// so they are put in slot order by their slots, in one pass, not sorted: qsort's compares
+// read the entries at random, ~3 ms a compaction at 16k tracked pages (`bench ops`, 500k).
 int compact(Core *c) {
     set_weights(c);
-    Py_ssize_t n = 0;
+    memset(c->order, 0, (size_t)c->nslots * sizeof *c->order);
     for (size_t i = 0; i < c->pages.cap; i++) {
         Entry *e = &c->pages.e[i];
-        if (e->used && e->code >= 0) c->order[n++] = e;
+        if (e->used && e->code >= 0) c->order[e->code >> 1] = e;
     }
-    qsort(c->order, (size_t)n, sizeof *c->order, by_code);
     memset(c->values, 0, (size_t)c->nslots * sizeof *c->values);
-    for (Py_ssize_t slot = 0; slot < n; slot++) {
+    Py_ssize_t n = 0;
+    for (Py_ssize_t slot = 0; slot < c->nslots; slot++) {
         Entry *e = c->order[slot];
-        e->code = (int64_t)slot << 1 | (e->code & 1);
-        c->values[slot] = c->wb[e->code & 1];
+        if (e == NULL) continue;
+        e->code = (int64_t)n << 1 | (e->code & 1);
+        c->values[n++] = c->wb[e->code & 1];
     }
     block_sums(c);
     c->clock = n;
