@@ -98,8 +98,8 @@ void tab_del(Table *t, Entry *e) {
 // deletion by backward shift, so no fresh table is allocated (and faulted in) and no kept entry
 // is hashed again. A halving at 16k tracked pages took 1.7 ms as a rebuild, 1.1 so; the table
 // keeps its size, which the 2 x max_tracked pages and ends it may track bound.
-static int tab_filter(Table *t, int (*keep)(const Entry *, int64_t), int64_t arg,
-                      Py_ssize_t *ends_dropped) {
+static void tab_filter(Table *t, int (*keep)(const Entry *, int64_t), int64_t arg,
+                       Py_ssize_t *ends_dropped) {
     for (size_t i = 0; i < t->cap;) {
         Entry *e = &t->e[i];
         if (e->used && !keep(e, arg)) {
@@ -109,7 +109,6 @@ static int tab_filter(Table *t, int (*keep)(const Entry *, int64_t), int64_t arg
             i++;
         }
     }
-    return 0;
 }
 
 int grow(void **p, Py_ssize_t *cap, Py_ssize_t need, size_t size) {
@@ -237,7 +236,7 @@ int trim(Core *c) {
             }
         }
         Py_ssize_t ends = 0;
-        if (tab_filter(&c->pages, keep_at_or_above, (int64_t)lo << 1, &ends) < 0) return -1;
+        tab_filter(&c->pages, keep_at_or_above, (int64_t)lo << 1, &ends);
         c->num_ends -= ends;
     }
     Py_ssize_t twice = 2 * (Py_ssize_t)c->pages.n;
@@ -259,14 +258,12 @@ int lower_rate(Core *c) {
     Py_ssize_t dropped = 0;
     while ((Py_ssize_t)c->pages.n - c->num_ends > c->max_tracked && c->threshold > 1) {
         c->threshold /= 2;
-        if (tab_filter(&c->pages, keep_sampled_page, (int64_t)c->threshold, &dropped) < 0)
-            return -1;
+        tab_filter(&c->pages, keep_sampled_page, (int64_t)c->threshold, &dropped);
     }
     while (c->num_ends > c->max_tracked && c->end_threshold > 1) {
         c->end_threshold /= 2;
         dropped = 0;
-        if (tab_filter(&c->pages, keep_sampled_end, (int64_t)c->end_threshold, &dropped) < 0)
-            return -1;
+        tab_filter(&c->pages, keep_sampled_end, (int64_t)c->end_threshold, &dropped);
         c->num_ends -= dropped;
     }
     reweigh(c);
